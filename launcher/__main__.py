@@ -1,0 +1,28 @@
+"""`python -m launcher ...`: the only @hydra.main. It validates the command line before Hydra
+creates a run directory (so bad input writes nothing), then hands the config to `app.run`."""
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from launcher import cli
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> None:
+    from launcher import app
+
+    with cli.user_errors():
+        app.main(cfg)
+
+
+def main() -> None:
+    with cli.user_errors():
+        sys.argv = [sys.argv[0], *cli.prepare_argv(sys.argv[1:])]
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+"""The one exception type a user ever sees: a bad input, reported as one line, exit code 2."""
+from __future__ import annotations
+
+
+class ConfigError(Exception):
+    """A problem with the user's input. `str(err)` is the full user-facing message: it names
+    the key and the fix. Several problems may be joined with "; " so all are reported at once."""
+
+    exit_code = 2
+
+    def __init__(self, *problems: str):
+        self.problems = tuple(p for p in problems if p)
+        super().__init__("; ".join(self.problems))
+
+
+def collect(problems: list[str]) -> None:
+    """Raise one ConfigError with every problem found, or return if there are none."""
+    if problems:
+        raise ConfigError(*problems)

@@ -1,0 +1,63 @@
+"""Hardware profiles -> Cluster, and detection of local GPUs."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+from launcher.config import HardwareConfig
+from launcher.types import Cluster
+
+DEFAULT_PROFILE = "a100-80g"
+
+# nvidia-smi product names -> profile names (checked in order; first match wins).
+_NAME_PATTERNS = (
+    (r"H200", "h200"),
+    (r"H100", "h100-80g"),
+    (r"A100.*80", "a100-80g"),
+    (r"A100", "a100-40g"),
+    (r"L40S", "l40s"),
+    (r"\bL4\b", "l4"),
+    (r"A10G", "a10g"),
+    (r"RTX A6000|A6000", "a6000"),
+    (r"4090", "rtx4090"),
+    (r"3090", "rtx3090"),
+    (r"V100.*32", "v100-32g"),
+    (r"V100", "v100-16g"),
+)
+
+
+def local_gpu_names() -> list[str]:
+    """Names of local NVIDIA GPUs from `nvidia-smi -L` (empty without a GPU or driver)."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [m.group(1) for m in re.finditer(r"GPU \d+: (.+?) \(UUID", out)]
+
+
+def detect_local_profile(profiles: list[str]) -> tuple[str, str]:
+    """(profile, note) for the local GPUs, or the default profile when there are none."""
+    names = local_gpu_names()
+    if not names:
+        return DEFAULT_PROFILE, (f"no local GPU found: planning for hardware={DEFAULT_PROFILE}; "
+                                 "pass hardware=<name> to plan for another GPU, hardware=cpu to run on CPU")
+    for pattern, profile in _NAME_PATTERNS:
+        if re.search(pattern, names[0]) and profile in profiles:
+            return profile, f"detected {len(names)} x {names[0]}: hardware={profile}"
+    return DEFAULT_PROFILE, f"unknown local GPU '{names[0]}': planning for hardware={DEFAULT_PROFILE}"
+
+
+def cluster_from(hw: HardwareConfig, num_gpus: int, num_nodes: int) -> Cluster:
+    return Cluster(
+        hardware=hw.name, device=hw.device, num_gpus=num_gpus, num_nodes=num_nodes,
+        memory_bytes=int(hw.memory_bytes), host_memory_bytes=int(hw.host_memory_bytes),
+        peak_tflops=dict(hw.peak_tflops), matmul_efficiency=float(hw.matmul_efficiency),
+        memory_bandwidth_gbps=float(hw.memory_bandwidth_gbps),
+        intra_node_bandwidth_gbps=float(hw.intra_node_bandwidth_gbps),
+        inter_node_bandwidth_gbps=float(hw.inter_node_bandwidth_gbps),
+        host_link_bandwidth_gbps=float(hw.host_link_bandwidth_gbps),
+        sm_arch=int(hw.sm_arch), cuda_context_bytes=int(hw.cuda_context_bytes),
+    )

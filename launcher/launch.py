@@ -1,0 +1,93 @@
+"""From the chosen candidate to a torchrun command: write run.json, the framework config and the
+exact command into the run directory; start it when asked."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from launcher.config import LauncherConfig
+from launcher.model import ModelSpec
+from launcher.runspec import RunSpec
+from launcher.types import Candidate, Plan
+
+
+@dataclass(frozen=True)
+class Job:
+    argv: tuple[str, ...]
+    env: dict
+    run_dir: Path
+
+    @property
+    def command_line(self) -> str:
+        return " ".join(shlex.quote(a) for a in self.argv)
+
+
+def torchrun_argv(config: LauncherConfig, run_json: Path) -> list[str]:
+    """torchrun (torch.distributed.run) for this plan: one process per GPU (per CPU rank with
+    hardware=cpu); single node uses --standalone, several nodes a c10d rendezvous."""
+    per_node = config.gpus // config.nodes
+    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={per_node}"]
+    if config.nodes == 1:
+        argv.append("--standalone")
+    else:
+        argv += [f"--nnodes={config.nodes}", "--rdzv-backend=c10d",
+                 f"--rdzv-endpoint=${{MASTER_ADDR}}:{config.launch.master_port}", "--rdzv-id=${RUN_ID}"]
+    argv.append(f"--max-restarts={config.launch.max_restarts}")
+    argv += ["-m", "launcher.worker", str(run_json)]
+    return argv
+
+
+def run_spec(c: Candidate, config: LauncherConfig, spec: ModelSpec, run_dir: Path, framework: dict) -> RunSpec:
+    t = config.training
+    return RunSpec(
+        run_dir=str(run_dir), backend=c.strategy.backend, strategy=c.strategy.name, model_name=spec.name,
+        hf_config=spec.hf_config, init=config.init.name, pretrained_path=config.model.pretrained_path,
+        tokenizer_path=config.model.tokenizer_path, trust_remote_code=config.model.trust_remote_code,
+        device=config.hardware.device, precision=t.precision.name, optimizer=t.optimizer.name,
+        attn_implementation=t.attn_implementation.name, gradient_checkpointing=t.gradient_checkpointing,
+        seq_len=t.seq_len, micro_batch_size=c.micro_batch_size, grad_accum_steps=c.grad_accum_steps,
+        max_steps=t.max_steps, learning_rate=t.learning_rate, weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm, warmup_steps=t.warmup_steps, seed=t.seed,
+        data_path=config.data.path, text_key=config.data.text_key, framework_config=framework,
+        measure_memory=True, checkpoint_every=config.checkpoint.every_steps, checkpoint_keep=config.checkpoint.keep,
+        resume=config.resume,
+        estimate={"peak_allocated_bytes": c.memory.peak_allocated_bytes,
+                  "peak_reserved_bytes": c.memory.peak_reserved_bytes,
+                  "device_total_bytes": c.memory.device_total_bytes, "step_s": c.speed.step_s,
+                  "breakdown": dict(c.memory.breakdown)},
+    )
+
+
+def prepare(plan: Plan, config: LauncherConfig, spec: ModelSpec, run_dir: Path) -> Job:
+    """Write run.json, the emitted framework config and launch_command.sh; return the Job."""
+    from launcher.emit import emit
+
+    c = plan.candidates[plan.chosen]
+    dp = config.gpus // (c.strategy.tp_size * c.strategy.pp_size)
+    filename, framework = emit(c.strategy, config, c.micro_batch_size, c.grad_accum_steps, dp)
+    (run_dir / filename).write_text(json.dumps(framework, indent=2, sort_keys=True) + "\n")
+    run_json = run_dir / "run.json"
+    run_spec(c, config, spec, run_dir, framework).save(run_json)
+    argv = torchrun_argv(config, run_json)
+    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // max(1, config.gpus // config.nodes)))}
+    job = Job(tuple(argv), env, run_dir)
+    script = ["#!/usr/bin/env bash", "# Re-run this training exactly as launched.", "set -euo pipefail",
+              *(f"export {k}={shlex.quote(v)}" for k, v in env.items()), job.command_line, ""]
+    path = run_dir / "launch_command.sh"
+    path.write_text("\n".join(script))
+    path.chmod(0o755)
+    return job
+
+
+def execute(job: Job, quiet: bool = False) -> int:
+    """Run torchrun in the foreground; the worker's rank 0 prints progress. Returns its exit code."""
+    env = {**os.environ, **job.env}
+    out = subprocess.DEVNULL if quiet else None
+    with open(job.run_dir / "train.log", "w") as log:
+        proc = subprocess.run(job.argv, env=env, stdout=out, stderr=log if quiet else None)
+    return proc.returncode

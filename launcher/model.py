@@ -1,0 +1,107 @@
+"""ModelSpec: the architecture numbers of a catalogue or custom model, read through transformers'
+own config classes (so attribute names like n_layer / num_hidden_layers are normalised)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from launcher.config import ModelConfig
+from launcher.errors import ConfigError
+
+# Encoder families whose config can build a *LMHeadModel but are not decoders.
+_ENCODER_ARCH_SUFFIXES = ("ForMaskedLM", "ForSequenceClassification", "ForTokenClassification",
+                          "ForQuestionAnswering", "ForConditionalGeneration", "Model")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    hf_config: dict  # config.json values (JSON-serialisable)
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    max_positions: Optional[int]  # None when positions are unbounded (ALiBi)
+    tie_word_embeddings: bool
+
+    @property
+    def hf_config_json(self) -> str:
+        return json.dumps(self.hf_config, sort_keys=True)
+
+
+def read_config_path(path: str) -> dict:
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise ConfigError(f"model.config_path={path}: no such file; give a config.json or a directory holding one")
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError(f"model.config_path={path}: not valid JSON ({err.__class__.__name__}); give a Hugging Face config.json") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"model.config_path={path}: not a JSON object; give a Hugging Face config.json")
+    return data
+
+
+def load_spec(mc: ModelConfig) -> ModelSpec:
+    """Validate that the config describes a decoder LLM transformers can build, and read its numbers."""
+    hf = read_config_path(mc.config_path) if mc.config_path else dict(mc.hf_config)
+    where = f"model.config_path={mc.config_path}" if mc.config_path else f"model={mc.name}"
+    cfg = _auto_config(hf, where)
+    _require_decoder(cfg, hf, where)
+
+    def get(*names, default=None):
+        for n in names:
+            v = getattr(cfg, n, None)
+            if v is not None:
+                return v
+        return default
+
+    heads = int(get("num_attention_heads"))
+    max_pos = get("max_position_embeddings", "n_positions")
+    return ModelSpec(
+        name=mc.name if not mc.config_path else Path(mc.config_path).stem if mc.name == "custom" else mc.name,
+        hf_config=hf,
+        model_type=cfg.model_type,
+        num_layers=int(get("num_hidden_layers")),
+        hidden_size=int(get("hidden_size")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(get("num_key_value_heads", default=heads)),
+        vocab_size=int(get("vocab_size")),
+        max_positions=None if max_pos is None or cfg.model_type == "bloom" else int(max_pos),
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", True)),
+    )
+
+
+def _auto_config(hf: dict, where: str):
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = hf.get("model_type")
+    if not model_type:
+        raise ConfigError(f"{where}: config has no model_type; give a Hugging Face decoder config.json")
+    if model_type not in CONFIG_MAPPING:
+        raise ConfigError(f"{where}: model_type '{model_type}' is not known to this transformers; "
+                          "use a supported architecture or upgrade transformers")
+    fields = {k: v for k, v in hf.items() if k != "model_type"}
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{where}: transformers rejects this config ({err}); fix the config.json values") from None
+
+
+def _require_decoder(cfg, hf: dict, where: str) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    archs = hf.get("architectures") or []
+    causal_arch = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+    encoder_arch = archs and not causal_arch and all(a.endswith(_ENCODER_ARCH_SUFFIXES) for a in archs)
+    if (getattr(cfg, "is_encoder_decoder", False) or cfg.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            or encoder_arch):
+        raise ConfigError(f"{where}: '{cfg.model_type}' ({', '.join(archs) or 'no architectures'}) is not a "
+                          "decoder-only causal LM; give the config.json of a decoder LLM (e.g. Llama, BLOOM, OPT, GPT-2)")

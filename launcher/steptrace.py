@@ -1,0 +1,109 @@
+"""The data a traced training step produces: plain arrays, no torch objects.
+
+A `StepTrace` is the storage-level history of one real training step (model build, forward,
+loss, backward, optimizer step, zero_grad) of a transformers model, recorded under fake tensors
+on the CPU device at a small depth. Every tensor storage ever allocated is one row. Events are
+numbered 0..num_events-1; each allocation and each free is one event, in program order.
+
+Strategy memory models (launcher/memory/) rebuild a live-bytes curve from these rows after
+changing lifetimes the way their framework does (e.g. gradients copied into buckets and freed at
+`ready`), take the maximum per phase, and extrapolate it linearly in depth from the traces at
+depth 1 and 2 (`TraceSet`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import numpy as np
+
+
+class Kind(IntEnum):
+    """What a storage holds."""
+
+    PARAM = 0  # a module parameter (or a storage shared with one)
+    GRAD = 1  # ends up as some parameter's .grad
+    OPTIM = 2  # optimizer state (exp_avg, exp_avg_sq, step, momentum...)
+    ACT = 3  # activations saved for backward, temporaries, logits, loss...
+    BUFFER = 4  # module buffers (rotary inv_freq, causal masks registered as buffers), inputs
+
+
+class Role(IntEnum):
+    """Where a parameter sits in the model (LLMem separates the body from the LM head)."""
+
+    EMBEDDING = 0  # token / position embeddings (and their norms)
+    LAYER = 1  # inside a repeated decoder layer
+    HEAD = 2  # lm_head (untied) and final norm
+    OTHER = 3
+
+
+@dataclass(frozen=True)
+class ParamTable:
+    """One row per parameter of the traced (shallow) model, in `model.named_parameters()` order."""
+
+    names: tuple[str, ...]
+    numel: np.ndarray  # int64
+    element_size: np.ndarray  # int64 bytes per element as built (the trace's dtype)
+    trainable: np.ndarray  # bool
+    role: np.ndarray  # int8 Role
+    layer: np.ndarray  # int64 decoder layer index, -1 outside layers
+    tied_to: np.ndarray  # int64 index of the parameter it shares storage with, -1 if none
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """One traced step at `num_layers` depth and `micro_batch_size`."""
+
+    num_layers: int
+    micro_batch_size: int
+    seq_len: int
+    params: ParamTable
+    # --- one row per storage ---
+    nbytes: np.ndarray  # int64, storage size in bytes (unrounded)
+    alloc: np.ndarray  # int64 event index of the allocation
+    free: np.ndarray  # int64 event index of the free; num_events if alive at the end
+    kind: np.ndarray  # int8 Kind
+    ready: np.ndarray  # int64; for GRAD rows the event at which the grad was accumulated into
+    #                    param.grad (post-accumulate-grad hook), else -1
+    param: np.ndarray  # int64 index into `params` for PARAM/GRAD/OPTIM rows, else -1
+    num_events: int
+    phases: dict[str, tuple[int, int]]  # 'build', 'forward', 'backward', 'optimizer', 'zero_grad':
+    #                                     [start_event, end_event) half-open
+    flops: dict[str, float] = field(default_factory=dict)  # 'forward', 'backward' FLOPs of this step
+
+    def live_curve(self, free: np.ndarray | None = None, mask: np.ndarray | None = None,
+                   rounding: int = 1) -> np.ndarray:
+        """Live bytes after each event (length num_events), optionally with modified free events,
+        a subset of rows, and per-storage rounding up to a multiple of `rounding` bytes."""
+        free = self.free if free is None else free
+        sel = slice(None) if mask is None else mask
+        nb = self.nbytes[sel]
+        if rounding > 1:
+            nb = -(-nb // rounding) * rounding
+        delta = np.zeros(self.num_events + 1, dtype=np.int64)
+        np.add.at(delta, self.alloc[sel], nb)
+        np.add.at(delta, free[sel], -nb)
+        return np.cumsum(delta)[: self.num_events]
+
+    def phase_max(self, curve: np.ndarray, phase: str) -> int:
+        a, b = self.phases[phase]
+        return int(curve[a:b].max()) if b > a else 0
+
+
+def extrapolate(v1: float, v2: float, num_layers: int) -> float:
+    """Value at `num_layers` from the values at depth 1 and 2 (exact when each added decoder layer
+    adds the same memory, which holds for a repeated-layer transformer)."""
+    return v1 + (num_layers - 1) * (v2 - v1)
+
+
+@dataclass(frozen=True)
+class TraceSet:
+    """The traces at depth 1 and 2 of one workload, and the full depth to extrapolate to."""
+
+    depth1: StepTrace
+    depth2: StepTrace
+    num_layers: int  # the real model's depth
+
+    def at_depth(self, fn) -> float:
+        """Apply `fn(trace) -> number` to both traces and extrapolate to full depth."""
+        return extrapolate(fn(self.depth1), fn(self.depth2), self.num_layers)

@@ -1,0 +1,99 @@
+"""Small typed values passed between the planning layers. Pure data; no torch."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one training step does, independent of the parallel strategy."""
+
+    seq_len: int
+    micro_batch_size: int
+    precision: str  # Lightning name: 32-true | 16-mixed | bf16-mixed | bf16-true | 16-true
+    optimizer: str  # HF optim name
+    gradient_checkpointing: bool
+    attn_implementation: str  # eager | sdpa | flash_attention_2
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The devices a plan runs on."""
+
+    hardware: str  # profile name
+    device: str  # 'cuda' or 'cpu'
+    num_gpus: int  # total over all nodes
+    num_nodes: int
+    memory_bytes: int  # per device
+    host_memory_bytes: int  # per node
+    peak_tflops: dict  # dtype -> dense TFLOP/s per device
+    matmul_efficiency: float
+    memory_bandwidth_gbps: float
+    intra_node_bandwidth_gbps: float
+    inter_node_bandwidth_gbps: float
+    host_link_bandwidth_gbps: float
+    sm_arch: int
+    cuda_context_bytes: int
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.num_gpus // self.num_nodes
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to lay a model out over the devices. `name` is the user-facing strategy name."""
+
+    name: str  # ddp | zero0 | zero1 | zero2 | zero3 | zero2_offload | zero3_offload | cai_*
+    backend: str  # 'ddp' (torch) | 'deepspeed' | 'colossalai'
+    zero_stage: int = 0
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    tp_size: int = 1
+    pp_size: int = 1
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-device memory of one candidate on its worst rank, in bytes."""
+
+    peak_allocated_bytes: int  # what torch.cuda.max_memory_allocated reports (CPU: peak live tensor bytes)
+    peak_reserved_bytes: int  # what torch.cuda.max_memory_reserved reports (CPU: = allocated)
+    device_total_bytes: int  # what nvidia-smi shows: reserved + CUDA context + NCCL (CPU: = allocated)
+    host_bytes: int  # host RAM per rank for offloaded states (0 without offload)
+    breakdown: dict  # parameters, gradients, optimizer_states, activations, buffers, runtime -> bytes at the peak
+    peak_phase: str  # forward | backward | optimizer
+    notes: tuple = ()  # assumptions stated for this estimate
+
+
+@dataclass(frozen=True)
+class SpeedEstimate:
+    compute_s: float  # per optimizer step, all micro-batches
+    comm_s: float  # exposed (not overlapped) communication per optimizer step
+    step_s: float
+    tokens_per_s: float  # over the whole cluster
+    breakdown: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    strategy: Strategy
+    micro_batch_size: int
+    grad_accum_steps: int
+    memory: MemoryEstimate
+    speed: SpeedEstimate
+    fits: bool
+    reason: str  # why it fits / does not fit / lost
+    trains: str = "full"  # 'full' fine-tuning or 'adapters' (PEFT)
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: dict  # name, num_params, num_layers, ...
+    hardware: str
+    gpus: int
+    nodes: int
+    candidates: tuple  # ranked fastest first
+    chosen: Optional[int]
+    notes: tuple = ()
