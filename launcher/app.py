@@ -40,6 +40,10 @@ def problems(c: LauncherConfig) -> list[str]:
         v = getattr(t, key)
         if v is not None and v < 1:
             out.append(f"training.{key}={v}: must be at least 1 (or null to let the planner choose)")
+    if t.micro_batch_size and t.global_batch_size and c.gpus >= 1 and t.global_batch_size % (t.micro_batch_size * c.gpus):
+        m, dp = t.micro_batch_size, c.gpus
+        out.append(f"training.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size x "
+                   f"data-parallel size = {m} x {dp}; try training.global_batch_size={m * dp * max(1, t.global_batch_size // (m * dp))}")
     if t.learning_rate <= 0:
         out.append(f"training.learning_rate={t.learning_rate}: must be positive")
     if not 0 <= c.planner.safety_margin < 1:
@@ -61,21 +65,28 @@ def problems(c: LauncherConfig) -> list[str]:
     return out
 
 
-def main(cfg: DictConfig) -> None:
-    from hydra.core.hydra_config import HydraConfig
-
-    from launcher import planner, report
-    from launcher.hardware import cluster_from, local_gpu_names
+def model_spec(config: LauncherConfig):
+    """The model's numbers, checked against the workload (sequence length within its positions)."""
     from launcher.model import load_spec
 
-    config = to_config(cfg)
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    config.run_dir = str(run_dir)
     spec = load_spec(config.model)
     seq_max = spec.max_positions
     if seq_max is not None and config.training.seq_len > seq_max:
         raise ConfigError(f"training.seq_len={config.training.seq_len} is above {spec.name}'s maximum "
                           f"positions ({seq_max}); use training.seq_len<={seq_max}")
+    return spec
+
+
+def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from launcher import planner, report
+    from launcher.hardware import cluster_from, local_gpu_names
+
+    config = to_config(cfg)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    config.run_dir = str(run_dir)
+    spec = model_spec(config)
     mode = config.mode.name
     if mode == "auto":
         mode = "run" if local_gpu_names() or config.hardware.device == "cpu" else "plan"

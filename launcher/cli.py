@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import re
 import sys
-from enum import Enum
 from pathlib import Path
 from typing import Iterator
 
@@ -48,7 +46,9 @@ def prepare_argv(argv: list[str]) -> list[str]:
         argv = [*argv, f"hardware={hw}"]
         notes.append(note)
     if "-m" not in argv and "--multirun" not in argv:
-        compose(argv)  # raises on any bad key or value
+        from launcher.app import model_spec
+
+        model_spec(compose(argv))  # raises on any bad key, value or model
     for n in notes:
         print(f"note: {n}", file=sys.stderr)
     return argv
@@ -80,39 +80,41 @@ def explain(err: BaseException) -> str | None:
     from omegaconf.errors import OmegaConfBaseException
 
     text = str(err)
-    if isinstance(err, MissingConfigException):
-        m = re.search(r"Could not find '([\w-]+)/([^']+)'", text)
-        if m:
-            group, value = m.groups()
-            return f"{group}={value}: no such {group}; valid choices: {', '.join(group_options(group))}"
-        m = re.search(r"You must specify '([\w-]+)'", text)
-        if m:
-            group = m.group(1)
-            return f"{group} is required: add {group}=<name>; valid choices: {', '.join(group_options(group))}"
+    m = re.search(r"Could not find '([\w-]+)/([^']+)'", text)
+    if isinstance(err, MissingConfigException) and m:
+        group, value = m.groups()
+        return f"{group}={value}: no such {group}{did_you_mean(value, group_options(group))}; valid choices: {', '.join(group_options(group))}"
+    m = re.search(r"You must specify '([\w-]+)'", text)
+    if m:
+        group = m.group(1)
+        return f"{group} is required: add {group}=<name>; valid choices: {', '.join(group_options(group))}"
     if isinstance(err, OverrideParseException):
         return f"cannot parse the command line: {text.splitlines()[0]}; overrides look like key=value"
-    cause = err.__cause__ or err.__context__
+    m = re.search(r"Could not override '([^']+)'", text)
+    if m and "Key '" in str(err.__cause__ or ""):
+        key = m.group(1)
+        keys = valid_keys(key)
+        prefix = key.rsplit(".", 1)[0] + "." if "." in key else ""
+        hint = did_you_mean(key.rsplit(".", 1)[-1], keys, prefix)
+        return f"{key}: unknown key{hint}; valid keys here: {', '.join(keys)}"
+    cause = err.__cause__
     if isinstance(err, ConfigCompositionException) and cause is not None:
         inner = explain(cause)
         if inner:
             return inner
     if isinstance(err, (ConfigCompositionException, OmegaConfBaseException)):
-        return _explain_omegaconf(err, text)
+        first = re.sub(r"\s+", " ", text.strip().splitlines()[0]) if text.strip() else type(err).__name__
+        k = re.search(r"full_key: ([\w.\-]+)", text)
+        key = k.group(1) if k else getattr(err, "full_key", None)
+        return f"{key}: {first}" if key else first
     return None
 
 
-def _explain_omegaconf(err: BaseException, text: str) -> str:
-    key = getattr(err, "full_key", None)
-    m = re.search(r"Could not override '([^']+)'", text) or re.search(r"Key '([^']+)' is not in struct", text)
-    if "not in struct" in text or "Could not append" in text or ("Could not override" in text and "Key" in text):
-        k = re.search(r"full_key: ([\w.\-]+)", text)
-        key = k.group(1) if k else (m.group(1) if m else key)
-        return f"{key}: unknown key; valid keys here: {', '.join(valid_keys(key))}"
-    first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
-    k = re.search(r"full_key: ([\w.\-]+)", text)
-    key = k.group(1) if k else key
-    first = re.sub(r"\s+", " ", first)
-    return f"{key}: {first}" if key else first
+def did_you_mean(word: str, choices: list[str], prefix: str = "") -> str:
+    import difflib
+
+    close = difflib.get_close_matches(word, choices, n=1)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
 
 
 def valid_keys(full_key: str | None) -> list[str]:
@@ -120,18 +122,9 @@ def valid_keys(full_key: str | None) -> list[str]:
     from launcher.config import LauncherConfig
 
     cls = LauncherConfig
-    parts = (full_key or "").split(".")[:-1]
-    for p in parts:
+    for p in (full_key or "").split(".")[:-1]:
         f = {f.name: f for f in dataclasses.fields(cls)}.get(p)
-        if f is None or not isinstance(f.default_factory, type):  # type: ignore[arg-type]
+        if f is None or not dataclasses.is_dataclass(f.default_factory):  # type: ignore[arg-type]
             break
         cls = f.default_factory  # type: ignore[assignment]
     return sorted(f.name for f in dataclasses.fields(cls))
-
-
-def enum_choices(e: type[Enum]) -> str:
-    return ", ".join(m.name for m in e)
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "") not in ("", "0", "false")

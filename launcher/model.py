@@ -65,17 +65,24 @@ def load_spec(mc: ModelConfig) -> ModelSpec:
     heads = int(get("num_attention_heads"))
     max_pos = get("max_position_embeddings", "n_positions")
     return ModelSpec(
-        name=mc.name if not mc.config_path else Path(mc.config_path).stem if mc.name == "custom" else mc.name,
+        name=custom_name(mc.config_path) if mc.name == "custom" and mc.config_path else mc.name,
         hf_config=hf,
         model_type=cfg.model_type,
         num_layers=int(get("num_hidden_layers")),
         hidden_size=int(get("hidden_size")),
         num_attention_heads=heads,
-        num_key_value_heads=int(get("num_key_value_heads", default=heads)),
+        num_key_value_heads=1 if getattr(cfg, "multi_query", False) and not getattr(cfg, "new_decoder_architecture", False)
+        else int(get("num_key_value_heads", "num_kv_heads", default=heads)),
         vocab_size=int(get("vocab_size")),
         max_positions=None if max_pos is None or cfg.model_type == "bloom" else int(max_pos),
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", True)),
     )
+
+
+def custom_name(config_path: str) -> str:
+    """A readable name for model=custom: the directory holding config.json, or the file stem."""
+    p = Path(config_path).expanduser()
+    return p.name if p.is_dir() else (p.parent.name if p.stem == "config" else p.stem) or "custom"
 
 
 def _auto_config(hf: dict, where: str):

@@ -1,0 +1,24 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m launcher ARGS` in a subprocess, as a user runs it."""
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env=full_env)
+
+
+@pytest.fixture
+def cli(tmp_path):
+    """Run the CLI with a private run directory root and trace cache."""
+    def _run(*args: str, **kw):
+        return run_cli(*args, f"cache_dir={tmp_path / 'cache'}", cwd=tmp_path, **kw)
+    _run.cwd = tmp_path
+    return _run

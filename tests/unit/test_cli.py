@@ -1,0 +1,42 @@
+"""The command surface as a user meets it: one clear line, exit code 2, nothing written."""
+import json
+
+import pytest
+
+BAD = [
+    (["gpus=4"], "model is required", "model="),
+    (["model=bloom-1b2", "gpus=4"], "model=bloom-1b2: no such model", "bloom-1b1"),
+    (["model=tiny-llama", "gpus=0"], "gpus=0", "at least 1"),
+    (["model=tiny-llama", "training.seqlen=5"], "training.seqlen: unknown key", "training.seq_len"),
+    (["model=tiny-llama", "training.seq_len=abc"], "training.seq_len", "Integer"),
+    (["model=tiny-llama", "training.seq_len=-3"], "training.seq_len=-3", "at least 1"),
+    (["model=tiny-llama", "training.precision=fp64"], "training.precision", "bf16-mixed"),
+    (["model=tiny-llama", "strategy=zero5"], "strategy", "zero3"),
+    (["model=tiny-llama", "hardware=b200"], "hardware=b200: no such hardware", "a100-80g"),
+    (["model=tiny-llama", "training.seq_len=100000"], "training.seq_len=100000", "maximum positions"),
+    (["model=tiny-llama", "gpus=4", "nodes=3"], "nodes=3", "divisible"),
+    (["model=tiny-llama", "gpus=4", "training.micro_batch_size=2", "training.global_batch_size=6",
+      "strategy=ddp"], "global_batch_size=6", "divisible"),
+    (["model=custom", "model.config_path=/nonexistent/config.json"], "model.config_path", "no such file"),
+]
+
+
+@pytest.mark.parametrize("args,key,fix", BAD, ids=[" ".join(a) for a, _, _ in BAD])
+def test_bad_input_is_one_line_exit_2_nothing_written(cli, args, key, fix):
+    r = cli(*args)
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, r.stderr
+    assert key in lines[0] and fix in lines[0], lines[0]
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout
+    assert not (cli.cwd / "runs").exists()
+
+
+def test_config_json_that_is_not_a_decoder(cli, tmp_path):
+    bert = tmp_path / "bert.json"
+    bert.write_text(json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"], "hidden_size": 64,
+                                "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 128}))
+    r = cli("model=custom", f"model.config_path={bert}")
+    assert r.returncode == 2
+    assert "not a decoder-only causal LM" in r.stderr and "Traceback" not in r.stderr
+
