@@ -90,20 +90,24 @@ class StepTrace:
         return int(curve[a:b].max()) if b > a else 0
 
 
-def extrapolate(v1: float, v2: float, num_layers: int) -> float:
-    """Value at `num_layers` from the values at depth 1 and 2 (exact when each added decoder layer
-    adds the same memory, which holds for a repeated-layer transformer)."""
-    return v1 + (num_layers - 1) * (v2 - v1)
+def extrapolate(v1: float, v2: float, num_layers: int, depth1: int = 1, depth2: int = 2) -> float:
+    """Value at `num_layers` from the values at depth `depth1` and `depth2` (exact when each added
+    decoder layer adds the same memory, which holds for a repeated-layer transformer once the
+    first layer, which has no previous layer, is in both traces)."""
+    return v1 + (num_layers - depth1) * (v2 - v1) / (depth2 - depth1)
 
 
 @dataclass(frozen=True)
 class TraceSet:
-    """The traces at depth 1 and 2 of one workload, and the full depth to extrapolate to."""
+    """Two traces of one workload at consecutive depths (their `num_layers`; 2 and 3 for models
+    that deep, because at depth 1 the only layer is also the first, whose forward has no previous
+    layer's outputs alive), and the full depth to extrapolate to."""
 
-    depth1: StepTrace
-    depth2: StepTrace
+    depth1: StepTrace  # the shallower trace
+    depth2: StepTrace  # the deeper trace
     num_layers: int  # the real model's depth
 
     def at_depth(self, fn) -> float:
         """Apply `fn(trace) -> number` to both traces and extrapolate to full depth."""
-        return extrapolate(fn(self.depth1), fn(self.depth2), self.num_layers)
+        return extrapolate(fn(self.depth1), fn(self.depth2), self.num_layers,
+                           self.depth1.num_layers, self.depth2.num_layers)

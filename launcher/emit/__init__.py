@@ -1,0 +1,53 @@
+"""Framework configuration for a chosen candidate: one emitter per backend, in a registry.
+
+`emit` returns (file name, config dict); the app writes the file into the run directory and puts
+the dict into run.json's `framework_config`. A new backend (e.g. ColossalAI, which would write
+`colossalai_plugin.json`) adds one module with a pure function and one `EMITTERS` entry.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from launcher.config import DDPConfig, DeepSpeedConfig, TrainingConfig
+from launcher.emit.ddp import ddp_settings
+from launcher.emit.deepspeed import deepspeed_config
+from launcher.types import Strategy
+
+
+@dataclass(frozen=True)
+class EmitInput:
+    """Everything an emitter may read about the chosen candidate."""
+
+    strategy: Strategy
+    training: TrainingConfig
+    deepspeed: DeepSpeedConfig
+    ddp: DDPConfig
+    micro_batch_size: int
+    grad_accum_steps: int
+    dp_size: int
+
+
+@dataclass(frozen=True)
+class Emitter:
+    file_name: str
+    build: Callable[[EmitInput], dict]
+
+
+EMITTERS: dict[str, Emitter] = {
+    "deepspeed": Emitter("ds_config.json", lambda x: deepspeed_config(
+        x.strategy, x.training, x.deepspeed, x.micro_batch_size, x.grad_accum_steps, x.dp_size)),
+    "ddp": Emitter("ddp_config.json", lambda x: ddp_settings(x.ddp)),
+}
+"""Backend name (Strategy.backend) -> emitter."""
+
+
+def emit(strategy: Strategy, *, training: TrainingConfig, deepspeed: DeepSpeedConfig,
+         ddp: DDPConfig, micro_batch_size: int, grad_accum_steps: int,
+         dp_size: int) -> tuple[str, dict]:
+    """(file name, config) for the strategy's backend."""
+    if strategy.backend not in EMITTERS:
+        raise ValueError(f"no emitter for backend {strategy.backend!r}; known: {sorted(EMITTERS)}")
+    emitter = EMITTERS[strategy.backend]
+    return emitter.file_name, emitter.build(EmitInput(
+        strategy, training, deepspeed, ddp, micro_batch_size, grad_accum_steps, dp_size))

@@ -1,0 +1,42 @@
+"""Keyword arguments for torch.nn.parallel.DistributedDataParallel (torch/nn/parallel/distributed.py).
+
+- bucket_cap_mb, gradient_as_bucket_view, static_graph: from `DDPConfig`, the same values the
+  estimators read.
+- find_unused_parameters=False: a causal LM uses every trainable parameter in each forward
+  (embeddings, every layer, final norm, LM head; frozen PEFT base weights do not require grad and
+  DDP ignores them). True would add a graph traversal after every forward, and it breaks
+  reentrant gradient checkpointing (transformers' Trainer turns it off under checkpointing for
+  that reason, trainer.py `create_accelerator_and_postprocess`).
+- no buffer broadcast before each forward: the buffers of transformers decoders (rotary
+  `inv_freq`, causal-mask helpers) are computed identically on every rank from the config and
+  never updated by training, so re-broadcasting them from rank 0 only costs a collective. torch
+  2.13 renamed the flag: `forward_sync_buffers=False` (buffers still synced once at init) replaces
+  the deprecated `broadcast_buffers=False`; the name the installed torch accepts is used.
+"""
+from __future__ import annotations
+
+import inspect
+from functools import lru_cache
+
+from launcher.config import DDPConfig
+
+
+@lru_cache(maxsize=1)
+def buffer_sync_kwarg() -> str:
+    """`forward_sync_buffers` on torch >= 2.13, else `broadcast_buffers`
+    (torch/nn/parallel/distributed.py DistributedDataParallel.__init__)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    return "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
+
+
+def ddp_settings(ddp: DDPConfig) -> dict:
+    """DistributedDataParallel(module, **ddp_settings(ddp))."""
+    return {
+        "bucket_cap_mb": float(ddp.bucket_cap_mb),
+        "gradient_as_bucket_view": bool(ddp.gradient_as_bucket_view),
+        "static_graph": bool(ddp.static_graph),
+        "find_unused_parameters": False,
+        buffer_sync_kwarg(): False,
+    }

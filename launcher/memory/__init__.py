@@ -1,0 +1,169 @@
+"""Per-rank peak memory of a parallel strategy, from a traced training step.
+
+Method. `launcher.trace` records one real training step of the model at two depths under fake
+tensors on the CPU (`StepTrace`: one row per storage with its allocation and free events). For a
+strategy, each depth's trace becomes a `Layout`: the rows the framework keeps (with lifetimes
+changed the way it changes them, e.g. gradients copied into buckets and freed when ready), plus
+the storages the framework allocates itself (flat parameter buffers, master weights, optimizer
+states, reduction buckets, gradient partitions, step temporaries), each citing the code that
+allocates it (ddp.py, deepspeed.py, zero3.py). The live-bytes curve of the layout is maximised per
+phase (forward, backward incl. the post-backward reduction, optimizer step) and each phase
+maximum is extrapolated linearly to the real depth (`TraceSet.at_depth` rule, from the two
+traced depths); the estimate is the
+largest phase. The curve is the steady state from the second step on: optimizer states, created
+lazily in the first step, are live during every later forward and backward.
+
+Devices. cuda: allocations round to 512 B; peak reserved comes from replaying the layout's
+allocation sequence (twice, for the steady state) through a simulator of the caching allocator
+(allocator.py); cuBLAS workspaces are added to allocated and reserved, the CUDA context and NCCL
+buffers to the device total (runtime.py). cpu (gloo processes): peak live tensor bytes, no rounding,
+no runtime terms, and the offloaded host storages counted too (they are the same memory).
+
+Assumptions (also listed in each `MemoryEstimate.notes`): all ranks of a data-parallel group hold
+the same bytes except for partition padding (the worst rank is taken); one parameter group; the
+worker's torch optimizer (`adamw_torch` = foreach AdamW); DeepSpeed `grad_accum_dtype` and
+`communication_data_type` unset; ZeRO-3 gathered parameters (which depend on the full depth) are
+added at full depth to the forward and backward peaks, as alive at the end of forward. Not
+modelled: the model-construction phase (its peak is below the step's), gradient-clipping norm
+scalars, the loss scaler's small tensors, process-group internal scratch, side-stream late frees.
+"""
+from __future__ import annotations
+
+from launcher.config import DDPConfig, DeepSpeedConfig
+from launcher.errors import ConfigError
+from launcher.steptrace import TraceSet
+from launcher.types import Cluster, MemoryEstimate, Strategy, Workload
+
+from . import runtime
+from .common import (DTYPE_BYTES, PHASES, extrapolate_layouts, extrapolate_peaks, host_bytes,
+                     phase_peaks)
+from .ddp import DDP_NOTES, ddp_layout
+from .deepspeed import ZeroSetup, zero0_layout, zero12_layout
+from .replay import peak_reserved_bytes
+from .zero3 import full_depth_numels, gathered_param_bytes, zero3_layout
+
+TORCH_PRECISION = {  # precision -> (param_dtype, autocast_dtype) for torch backends
+    "32-true": ("float32", None), "bf16-mixed": ("float32", "bfloat16"),
+    "16-mixed": ("float32", "float16"), "bf16-true": ("bfloat16", None), "16-true": ("float16", None)}
+DEEPSPEED_PRECISION = {"32-true": "float32", "bf16-mixed": "bfloat16", "16-mixed": "float16",
+                       "bf16-true": "bfloat16"}
+TRACE_OPTIMIZER = {"adamw_torch": "adamw_foreach", "adamw_torch_foreach": "adamw_foreach",
+                   "adamw_torch_fused": "adamw_fused", "sgd": "sgd"}
+
+
+def deepspeed_support_problem(strategy: Strategy, precision: str) -> str:
+    """Why DeepSpeed cannot run this precision with the worker's torch optimizer, or ''."""
+    if precision == "16-true":
+        return ("precision=16-true is not supported with DeepSpeed: fp16 master weights "
+                "(fp16_master_weights_and_grads) require ZeRO-Offload with DeepSpeedCPUAdam "
+                "(deepspeed/runtime/base_optimizer.py _configure_master_weights); use 16-mixed")
+    if precision == "bf16-true" and (strategy.zero_stage == 0 or strategy.offload_optimizer):
+        return (f"precision=bf16-true is not supported with strategy={strategy.name}: bf16 master "
+                "weights (bf16.bf16_master_weights_and_grads + bf16_optimizer_states) need ZeRO "
+                "stage 1-3 without optimizer offload (deepspeed/runtime/config.py, "
+                "base_optimizer.py); use bf16-mixed or zero1/zero2/zero3")
+    return ""
+
+
+def trace_request(strategy: Strategy, workload: Workload) -> dict:
+    """The `TraceKey` fields this strategy needs: how the framework runs the model.
+
+    torch DDP runs the model as the user asked (*-mixed: fp32 parameters under autocast; *-true:
+    parameters in that dtype) and the torch optimizer is traced for real. DeepSpeed bf16/fp16
+    runs a 16-bit model without autocast (engine.py `_configure_distributed_model` casts the
+    module) and its optimizer memory is modelled from its source, so no optimizer is traced;
+    bf16-true under ZeRO 1-3 is bf16 with bf16 master weights and states."""
+    if strategy.backend == "ddp":
+        param_dtype, autocast = TORCH_PRECISION[workload.precision]
+        return {"param_dtype": param_dtype, "autocast_dtype": autocast,
+                "optimizer": TRACE_OPTIMIZER[workload.optimizer]}
+    if strategy.backend == "deepspeed":
+        problem = deepspeed_support_problem(strategy, workload.precision)
+        if problem:
+            raise ConfigError(problem)
+        return {"param_dtype": DEEPSPEED_PRECISION[workload.precision], "autocast_dtype": None,
+                "optimizer": "none"}
+    raise ConfigError(f"strategy={strategy.name}: backend {strategy.backend!r} has no memory model")
+
+
+def _layouts(traces: TraceSet, strategy: Strategy, workload: Workload, ds, ddp, dp: int):
+    if strategy.backend == "ddp":
+        return [ddp_layout(t, ddp, dp) for t in (traces.depth1, traces.depth2)], DDP_NOTES, None
+    trace_request(strategy, workload)  # raises if unsupported
+    z = ZeroSetup(stage=strategy.zero_stage, offload_optimizer=strategy.offload_optimizer,
+                  offload_params=strategy.offload_params,
+                  model_bytes=DTYPE_BYTES[DEEPSPEED_PRECISION[workload.precision]],
+                  master_bytes=2 if workload.precision == "bf16-true" else 4,
+                  optimizer=workload.optimizer, ds=ds, dp=dp)
+    build = {0: zero0_layout, 1: zero12_layout, 2: zero12_layout, 3: zero3_layout}[z.stage]
+    layouts = [build(t, z) for t in (traces.depth1, traces.depth2)]
+    gathered = None
+    if z.stage == 3:
+        gathered = gathered_param_bytes(full_depth_numels(traces.depth1, traces.num_layers), z)
+    return layouts, deepspeed_notes(z, gathered), gathered
+
+
+def deepspeed_notes(z: ZeroSetup, gathered) -> tuple:
+    notes = [f"DeepSpeed ZeRO-{z.stage}: 16-bit (or fp32) model traced without optimizer; flat "
+             "buffers, master weights, optimizer states, buckets and step temporaries modelled "
+             "from deepspeed/runtime (see launcher/memory/deepspeed.py, zero3.py).",
+             f"reduce_bucket_size={z.ds.reduce_bucket_size} elements, overlap_comm={z.overlap_comm}, "
+             f"contiguous_gradients={z.ds.contiguous_gradients}; allgather_bucket_size unused "
+             "(all_gather_into_tensor writes into the flat buffer, runtime/utils.py all_gather_dp_groups)."]
+    if z.master_bytes == 2:
+        notes.append("bf16-true: bf16.bf16_master_weights_and_grads and bf16_optimizer_states "
+                     "must be set in ds_config (master, gradients and states in bf16).")
+    if z.offload_optimizer:
+        notes.append("ZeRO-Offload with a torch optimizer needs zero_force_ds_cpu_optimizer=false "
+                     "(engine.py _configure_optimizer); master, states and fp32 gradients in host RAM.")
+    if gathered is not None:
+        notes.append("ZeRO-3 gathered parameters: " + (
+            "all kept gathered from forward to backward (2 x model numel < stage3_max_reuse_distance)"
+            if gathered[1] else "partly re-gathered per module, prefetch bucket added")
+            + "; added at full depth to the forward and backward peaks.")
+    return tuple(notes)
+
+
+def estimate_memory(traces: TraceSet, strategy: Strategy, workload: Workload, cluster: Cluster,
+                    ds: DeepSpeedConfig, ddp: DDPConfig, dp_size: int) -> MemoryEstimate:
+    """Peak memory of the worst rank of `strategy` (module docstring: method and assumptions)."""
+    layouts, notes, gathered = _layouts(traces, strategy, workload, ds, ddp, dp_size)
+    cuda = cluster.device == "cuda"
+    rounding = runtime.allocator_rounding_bytes(cluster.device)
+    peaks = [phase_peaks(lay, rounding, with_host=not cuda) for lay in layouts]
+    ext = extrapolate_peaks(layouts, peaks, traces.num_layers)
+    total, breakdown = dict(ext.total), {ph: dict(b) for ph, b in ext.breakdown.items()}
+    gathered_bytes = gathered[0] if gathered else 0
+    for ph in ("forward", "backward"):
+        total[ph] += gathered_bytes
+        breakdown[ph]["parameters"] += gathered_bytes
+    phase = max(PHASES, key=lambda ph: total[ph])
+    host = extrapolate_layouts(layouts, [host_bytes(x) for x in layouts], traces.num_layers)
+    bd = dict(breakdown[phase])
+    if not cuda:
+        peak = total[phase]
+        bd["runtime"] = 0
+        return MemoryEstimate(peak, peak, peak, host, bd, phase,
+                              tuple(notes) + CPU_NOTES)
+    workspace = runtime.cublas_workspace_bytes(cluster.sm_arch)
+    allocated = total[phase] + workspace
+    reserved = peak_reserved_bytes(layouts, traces.num_layers, cluster.sm_arch, gathered_bytes)
+    reserved = max(reserved, allocated)
+    outside = runtime.cuda_context_bytes(cluster.cuda_context_bytes) + runtime.nccl_bytes(dp_size)
+    bd["runtime"] = workspace + outside
+    return MemoryEstimate(allocated, reserved, reserved + outside, host, bd, phase,
+                          tuple(notes) + GPU_NOTES)
+
+
+CPU_NOTES = (
+    "CPU processes: peak live tensor bytes (what torch's MemTracker measures), no allocator "
+    "rounding, no CUDA/NCCL terms; offloaded host storages are included in the peak (and "
+    "also reported as host_bytes).",
+)
+GPU_NOTES = (
+    "GPU: 512 B allocator rounding; peak reserved from a caching-allocator replay (single stream, "
+    "default settings); cuBLAS workspaces 2 x 8.125 MiB (32 MiB each on sm90+) in allocated.",
+    "device total = reserved + CUDA context (hardware setting) + NCCL per process group "
+    "(544 MiB for 2 ranks, 688 MiB for more: NVIDIA/nccl issue 964, one group assumed).",
+    "breakdown: parameters..buffers at the allocated peak; runtime = cuBLAS + context + NCCL.",
+)

@@ -1,0 +1,240 @@
+"""What every strategy model shares: a `Layout` (how a framework changes the traced rows and which
+buffers it adds), the live-bytes curve it implies, per-phase maxima and their extrapolation.
+
+A layout is built for one traced depth (1 or 2 decoder layers): the strategy is applied to that
+shallow model exactly as the framework would apply it, and the phase maxima of the two depths are
+extrapolated linearly to the real depth (`launcher.steptrace.extrapolate`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from launcher.steptrace import Kind, StepTrace, extrapolate
+
+CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "buffers")
+KIND_CATEGORY = {Kind.PARAM: "parameters", Kind.GRAD: "gradients", Kind.OPTIM: "optimizer_states",
+                 Kind.ACT: "activations", Kind.BUFFER: "buffers"}
+PHASES = ("forward", "backward", "optimizer")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Term:
+    """One storage the framework allocates that the trace does not hold: live on the curve at
+    indices [start, end) (same convention as `StepTrace.live_curve`)."""
+
+    name: str
+    category: str
+    nbytes: int
+    start: int
+    end: int
+    host: bool = False  # lives in host RAM when the device is a GPU (offload)
+
+
+@dataclass
+class Layout:
+    """The traced rows as the framework runs them, plus the framework's own storages.
+
+    `reduce_events` and `step_events` are virtual events inserted where the traced backward ends:
+    first the framework's gradient reduction after backward (part of the backward phase), then its
+    optimizer step (the optimizer phase), for frameworks whose step is modelled, not traced. Every
+    traced event at or after that point moves later by their sum; `ev()` maps a traced event."""
+
+    trace: StepTrace
+    mask: np.ndarray  # rows kept
+    alloc: np.ndarray  # allocation events (on the layout's timeline)
+    free: np.ndarray  # free events (on the layout's timeline)
+    reduce_events: int = 0
+    step_events: int = 0
+    terms: list = field(default_factory=list)
+
+    @classmethod
+    def of(cls, trace: StepTrace, reduce_events: int = 0, step_events: int = 0) -> "Layout":
+        layout = cls(trace, np.ones(len(trace.nbytes), bool), trace.alloc.copy(), trace.free.copy(),
+                     reduce_events, step_events)
+        layout.alloc, layout.free = layout.ev(trace.alloc), layout.ev(trace.free)
+        return layout
+
+    @property
+    def backward_end(self) -> int:
+        """The traced event where backward ends (before any virtual event)."""
+        return self.trace.phases["backward"][1]
+
+    @property
+    def num_events(self) -> int:
+        return self.trace.num_events + self.reduce_events + self.step_events
+
+    def ev(self, event):
+        """Traced event(s) -> index on this layout's timeline."""
+        shift = self.reduce_events + self.step_events
+        return np.where(np.asarray(event) >= self.backward_end, np.asarray(event) + shift, event)
+
+    def reduce_ev(self, k: int) -> int:
+        return self.backward_end + k
+
+    def step_ev(self, k: int) -> int:
+        return self.backward_end + self.reduce_events + k
+
+    @property
+    def phases(self) -> dict:
+        t, b = self.trace.phases, self.backward_end
+        k = self.reduce_events + self.step_events
+        return {"forward": t["forward"], "backward": (t["backward"][0], b + self.reduce_events),
+                "optimizer": (b + self.reduce_events, t["optimizer"][1] + k)}
+
+    def add(self, name: str, category: str, nbytes: int, start: int = 0, end: int | None = None,
+            host: bool = False) -> None:
+        end = self.num_events if end is None else end
+        if nbytes > 0 and end > start:
+            self.terms.append(Term(name, category, int(nbytes), int(start), int(end), host))
+
+    def drop(self, kind: Kind) -> None:
+        """Remove the traced rows of one kind (the framework replaces those storages)."""
+        self.mask &= self.trace.kind != kind
+
+    def rows(self, kind: Kind) -> np.ndarray:
+        return self.mask & (self.trace.kind == kind)
+
+    def hoist_persistent(self, kind: Kind) -> None:
+        """Rows of `kind` still alive at the end of the step exist from the second step on during
+        the whole step (optimizer states are created lazily in the first step)."""
+        alive = (self.trace.kind == kind) & (self.free >= self.num_events)
+        self.alloc[alive] = 0
+
+
+def _round(nbytes: np.ndarray, rounding: int) -> np.ndarray:
+    return -(-nbytes // rounding) * rounding if rounding > 1 else nbytes
+
+
+def category_curves(layout: Layout, rounding: int = 1, with_host: bool = False) -> dict:
+    """Live bytes after each event, per breakdown category."""
+    t = layout.trace
+    n = layout.num_events
+    nb = _round(t.nbytes, rounding)
+    out = {}
+    for cat in CATEGORIES:
+        delta = np.zeros(n + 1, np.int64)
+        sel = layout.mask & np.isin(t.kind, [k for k, c in KIND_CATEGORY.items() if c == cat])
+        np.add.at(delta, layout.alloc[sel], nb[sel])
+        np.add.at(delta, layout.free[sel], -nb[sel])
+        for term in layout.terms:
+            if term.category == cat and (with_host or not term.host):
+                size = int(_round(np.array([term.nbytes]), rounding)[0])
+                delta[term.start] += size
+                delta[term.end] -= size
+        out[cat] = np.cumsum(delta)[:n]
+    return out
+
+
+def host_bytes(layout: Layout) -> int:
+    """Peak host RAM of the offloaded terms (all are persistent for the step)."""
+    return sum(t.nbytes for t in layout.terms if t.host)
+
+
+@dataclass(frozen=True)
+class PhasePeaks:
+    """Per phase: the peak total and the breakdown at that peak."""
+
+    total: dict  # phase -> bytes
+    breakdown: dict  # phase -> {category: bytes}
+
+
+def phase_peaks(layout: Layout, rounding: int = 1, with_host: bool = False) -> PhasePeaks:
+    curves = category_curves(layout, rounding, with_host)
+    total_curve = sum(curves.values())
+    total, breakdown = {}, {}
+    for ph in PHASES:
+        a, b = layout.phases[ph]
+        if b <= a:
+            total[ph], breakdown[ph] = 0, {c: 0 for c in CATEGORIES}
+            continue
+        i = a + int(np.argmax(total_curve[a:b]))
+        total[ph] = int(total_curve[i])
+        breakdown[ph] = {c: int(curves[c][i]) for c in CATEGORIES}
+    return PhasePeaks(total, breakdown)
+
+
+def extrapolate_layouts(layouts: list, values: list, num_layers: int) -> int:
+    """A value computed on the two traced depths' layouts, extrapolated to `num_layers`."""
+    d1, d2 = layouts[0].trace.num_layers, layouts[1].trace.num_layers
+    return int(round(extrapolate(values[0], values[1], num_layers, d1, d2)))
+
+
+def extrapolate_peaks(layouts: list, peaks: list, num_layers: int) -> PhasePeaks:
+    """Each phase maximum and its breakdown, extrapolated linearly in depth."""
+    total = {ph: extrapolate_layouts(layouts, [p.total[ph] for p in peaks], num_layers)
+             for ph in PHASES}
+    breakdown = {ph: {c: extrapolate_layouts(layouts, [p.breakdown[ph][c] for p in peaks], num_layers)
+                      for c in CATEGORIES} for ph in PHASES}
+    return PhasePeaks(total, breakdown)
+
+
+def trainable_params(trace: StepTrace) -> list[int]:
+    """Indices of the distinct trainable parameters in `named_parameters()` order (tied copies
+    dropped: `module.parameters()` yields a shared parameter once)."""
+    p = trace.params
+    return [i for i in range(len(p.names)) if p.trainable[i] and p.tied_to[i] < 0]
+
+
+def grad_ready_order(trace: StepTrace) -> list[int]:
+    """Parameter indices in the order their gradients became ready in the traced backward, each
+    with its ready event: [(param, event)]. Parameters without a traced gradient come last."""
+    g = (trace.kind == Kind.GRAD) & (trace.param >= 0)
+    pairs = sorted(zip(trace.ready[g].tolist(), trace.param[g].tolist()))
+    return [(int(p), int(e)) for e, p in pairs]
+
+
+def free_at_next_ready(layout: Layout, rows, fallback: int) -> None:
+    """Free each of `rows` (GRAD rows) at the ready event of the gradient that follows it in
+    ready order, or at `fallback` for the last: how ZeRO treats a gradient larger than its reduce
+    bucket (kept as is, reduced when the next gradient's hook flushes the bucket)."""
+    t = layout.trace
+    order = [e for _, e in grad_ready_order(t)]
+    for r in np.asarray(rows).nonzero()[0]:
+        later = [e for e in order if e > t.ready[r]]
+        layout.free[r] = int(layout.ev(later[0])) if later else fallback
+
+
+def first_ready_event(trace: StepTrace) -> int:
+    order = grad_ready_order(trace)
+    return order[0][1] if order else trace.phases["backward"][1]
+
+
+def optimizer_step_temp_numel(optimizer: str, tensor_numels: list[int]) -> int:
+    """Elements of the temporaries torch.optim.AdamW allocates during `step()` over the given
+    parameter tensors (torch/optim/adam.py):
+    - `_multi_tensor_adam` (foreach): `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)` is one
+      temporary per parameter, all alive together: sum of the numels;
+    - `_single_tensor_adam`: `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)` holds
+      two temporaries of one parameter at a time: 2 x the largest;
+    - `_fused_adam`: none; SGD (foreach momentum update in place): none."""
+    if not tensor_numels:
+        return 0
+    if optimizer in ("adamw_torch", "adamw_torch_foreach"):
+        return int(sum(tensor_numels))
+    if optimizer == "adamw_single":
+        return 2 * int(max(tensor_numels))
+    return 0
+
+
+def optimizer_state_numel_factor(optimizer: str) -> int:
+    """Full-size state tensors per parameter: AdamW exp_avg + exp_avg_sq (torch/optim/adamw.py
+    `_init_group`), SGD momentum_buffer (torch/optim/sgd.py)."""
+    return 1 if optimizer == "sgd" else 2
+
+
+def optimizer_step_scalar_bytes(optimizer: str, num_tensors: int) -> int:
+    """AdamW's per-parameter `state['step']`: a float32 scalar tensor (torch/optim/adam.py
+    `_init_group`, `_get_scalar_dtype()`); SGD has none."""
+    return 0 if optimizer == "sgd" else 4 * num_tensors
+
+
+def model_state_bytes(layout: Layout) -> int:
+    """Parameters + gradients + optimizer states (incl. master weights) live at the last traced
+    backward event, before the framework's post-backward reduction: the model states as the ZeRO
+    paper counts them (arXiv:1910.02054 sec. 3.1), plus whatever buckets the layout holds then."""
+    curves = category_curves(layout, with_host=True)
+    i = layout.backward_end - 1
+    return int(sum(curves[c][i] for c in ("parameters", "gradients", "optimizer_states")))

@@ -1,0 +1,69 @@
+"""torch DistributedDataParallel on one rank (torch 2.13, torch/nn/parallel/distributed.py and the
+C++ Reducer, torch/csrc/distributed/c10d/reducer.cpp).
+
+The model and the torch optimizer run exactly as traced. DDP changes two things:
+- it allocates one flat gradient bucket per bucket at construction (`Reducer::initialize_buckets`:
+  `bucket.gradients = at::empty({offset}, options)`, sized to its parameters, not to the cap) and
+  keeps them for the whole run; after the first iteration the buckets are rebuilt in gradient-ready
+  order with `[dist._DEFAULT_FIRST_BUCKET_BYTES (1 MiB), bucket_cap_mb]` limits
+  (`_BucketCapacityConfig.compute_bucket_size_limits`, `Reducer::rebuild_buckets`), which changes
+  how many buckets there are but not their total bytes;
+- with `gradient_as_bucket_view=True`, `param.grad` is a view of the bucket
+  (`Reducer::mark_variable_ready_dense`: `bucket_view.copy_(grad); grad = bucket_view`), so the
+  gradient autograd produced is freed when it is ready and the gradient storage is the buckets;
+  with False, each gradient is copied into its bucket and the reduced bucket copied back
+  (`finalize_bucket_dense`), so the buckets are a second copy of the gradients.
+"""
+from __future__ import annotations
+
+from launcher.config import DDPConfig
+from launcher.steptrace import Kind, StepTrace
+
+from .common import Layout, grad_ready_order, trainable_params
+
+FIRST_BUCKET_BYTES = 1024 * 1024  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+
+
+def bucket_bytes(trace: StepTrace, bucket_cap_mb: float) -> list[int]:
+    """Bytes of each rebuilt bucket: parameters in gradient-ready order, a bucket is closed once it
+    reaches its limit (`compute_bucket_assignment_by_size` in reducer.cpp: `if (bucket.size >=
+    bucket_size_limit)`), the first limit 1 MiB, then `bucket_cap_mb` MiB."""
+    p = trace.params
+    ready = [i for i, _ in grad_ready_order(trace)]
+    order = ready + [i for i in reversed(trainable_params(trace)) if i not in set(ready)]
+    limits = [FIRST_BUCKET_BYTES, int(bucket_cap_mb * 1024 * 1024)]
+    out, size = [], 0
+    for i in order:
+        size += int(p.numel[i] * p.element_size[i])
+        if size >= limits[min(len(out), 1)]:
+            out.append(size)
+            size = 0
+    if size:
+        out.append(size)
+    return out
+
+
+def ddp_layout(trace: StepTrace, ddp: DDPConfig, dp_size: int) -> Layout:
+    """The traced step as DDP runs it on every rank (all ranks are identical)."""
+    layout = Layout.of(trace)
+    layout.hoist_persistent(Kind.OPTIM)
+    buckets = bucket_bytes(trace, ddp.bucket_cap_mb)
+    if ddp.gradient_as_bucket_view:
+        g = (trace.kind == Kind.GRAD) & (trace.ready >= 0)
+        layout.free[g] = layout.ev(trace.ready[g])
+        for j, nbytes in enumerate(buckets):
+            layout.add(f"ddp_bucket_{j}", "gradients", nbytes)
+    else:
+        for j, nbytes in enumerate(buckets):
+            layout.add(f"ddp_bucket_{j}", "buffers", nbytes)
+    return layout
+
+
+DDP_NOTES = (
+    "torch DDP: model, autocast and optimizer traced for real; gradient buckets sized to their "
+    "parameters, allocated at construction (torch/csrc/distributed/c10d/reducer.cpp).",
+    "DDP gradient_as_bucket_view=True: gradients are bucket views, autograd's gradient freed at "
+    "ready; False: buckets are a second copy of the gradients.",
+    "Not modelled: gradient clipping's per-parameter norm scalars, gloo/NCCL internal scratch "
+    "outside tensors, the construction-time parameter broadcast buffer (below the step peak).",
+)

@@ -1,0 +1,140 @@
+"""DeepSpeed 0.19 ZeRO stage 3 (deepspeed/runtime/zero/stage3.py `DeepSpeedZeroOptimizer_Stage3`,
+partition_parameters.py, partitioned_param_coordinator.py) on one rank, optionally offloading the
+optimizer and the parameters to host RAM.
+
+Gathered parameters are not on the per-depth curve: how many stay gathered depends on the real
+depth (`stage3_max_reuse_distance`), so `gathered_param_bytes` is computed at full depth and added
+to the forward and backward peaks after extrapolation.
+"""
+from __future__ import annotations
+
+import math
+
+from launcher.steptrace import Kind, StepTrace
+
+from .common import Layout, free_at_next_ready, grad_ready_order, optimizer_step_temp_numel
+from .deepspeed import ZeroSetup, _states, numels
+
+
+def partition_numel(numel: int, dp: int) -> int:
+    """partition_parameters.py `_partition_param`: each parameter is padded to a multiple of dp
+    (`_padding_size`) and split evenly: ceil(numel / dp) elements per rank."""
+    return math.ceil(numel / dp)
+
+
+def sub_groups(part_sizes: list[int], sub_group_size: int) -> list[int]:
+    """stage3.py `_create_fp16_sub_groups`: parameters are grouped in order until the group's
+    partition numel reaches `sub_group_size`. Returns each group's numel."""
+    total = sum(part_sizes)
+    if sub_group_size >= total:
+        return [total]
+    out, acc = [], 0
+    for n in part_sizes:
+        acc += n
+        if acc >= sub_group_size:
+            out.append(acc)
+            acc = 0
+    return out + ([acc] if acc else [])
+
+
+def flush_events(trace: StepTrace, bucket_numel: int, dp: int) -> list[tuple[int | None, int]]:
+    """(traced ready event or None for the epilogue, padded numel) of each bucket reduction:
+    `reduce_independent_p_g_buckets_and_remove_grads` flushes when `bucket.elements + ds_numel >
+    reduce_bucket_size and bucket.elements > 0`; the epilogue flushes the rest."""
+    out, elements, padded = [], 0, 0
+    for i, event in grad_ready_order(trace):
+        n = int(trace.params.numel[i])
+        if elements and elements + n > bucket_numel:
+            out.append((event, padded))
+            elements, padded = 0, 0
+        elements += n
+        padded += dp * partition_numel(n, dp)
+    return out + [(None, padded)] if padded else out
+
+
+def zero3_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
+    """Per-rank storages of stage 3 on the traced (shallow) model."""
+    e, m, dp = z.model_bytes, z.master_bytes, z.dp
+    sizes = numels(trace)
+    parts = [partition_numel(n, dp) for n in sizes]
+    total_part = sum(parts)
+    persistent = sum(n for n in sizes if n <= z.ds.stage3_param_persistence_threshold)
+    layout = Layout.of(trace, reduce_events=1, step_events=2)
+    layout.drop(Kind.PARAM)
+    off_opt, off_par = z.offload_optimizer, z.offload_params
+    # _create_fp16_partitions_with_defragmentation: one flat buffer of this rank's partitions
+    # (param offload: `_create_param_groups_fp16_flat_cpu_memory`, host)
+    layout.add("16bit_param_partitions", "parameters", e * total_part, host=off_par)
+    # persistent parameters (numel <= stage3_param_persistence_threshold) stay gathered
+    layout.add("persistent_gathered_params", "parameters", e * persistent)
+    # _create_fp32_partitions: fp32 master of the partitions, one flat tensor per sub-group
+    groups = sub_groups(parts, z.ds.sub_group_size)
+    layout.add("fp32_master_partition", "optimizer_states", m * total_part, host=off_opt)
+    _states(layout, z, total_part, len(groups), host=off_opt)
+    # _setup_for_real_optimizer: the ipg bucket (contiguous_gradients) and the gradient partitions
+    # (`grad_partitions_flat_buffer`, on `self.device`: host with optimizer offload)
+    if z.ds.contiguous_gradients:
+        layout.add("ipg_bucket", "buffers", e * z.ds.reduce_bucket_size)
+    layout.add("grad_partitions", "gradients", e * total_part, host=off_opt)
+    if off_opt:  # initialize_optimizer_states: one fp32 gradient buffer per sub-group, kept
+        layout.add("fp32_grad_partition", "gradients", m * total_part, host=True)
+    # gradients: copied into the bucket at their hook (`__add_grad_to_ipg_bucket`), freed
+    g = layout.rows(Kind.GRAD)
+    big = g & (trace.param >= 0)
+    big &= trace.params.numel[trace.param.clip(0)] > z.ds.reduce_bucket_size
+    layout.free[g & ~big] = layout.ev(trace.ready)[g & ~big]
+    free_at_next_ready(layout, big, layout.reduce_ev(0))
+    # each flush: reduce_scatter_coalesced concatenates the padded partitions (torch.cat)
+    for event, padded in flush_events(trace, z.ds.reduce_bucket_size, dp):
+        at = layout.reduce_ev(0) if event is None else int(layout.ev(event))
+        layout.add("reduce_scatter_flat", "buffers", e * padded, at, at + 1)
+    s0, s1, s2 = layout.step_ev(0), layout.step_ev(1), layout.step_ev(2)
+    largest = max(groups) if groups else 0
+    if off_opt:
+        layout.add("optimizer_step_temporaries", "optimizer_states",
+                   m * optimizer_step_temp_numel(z.optimizer, [largest]), s0, s2, host=True)
+        return layout
+    # _prepare_fp32_grad_for_sub_group: flatten(averaged_gradients).to(fp32), one sub-group at a time
+    layout.add("flat_grad_sub_group", "gradients", e * largest, s0, s1)
+    layout.add("fp32_grad_sub_group", "gradients", m * largest, s0, s2)
+    layout.add("optimizer_step_temporaries", "optimizer_states",
+               m * optimizer_step_temp_numel(z.optimizer, [largest]), s1, s2)
+    return layout
+
+
+def full_depth_numels(trace: StepTrace, num_layers: int) -> list[int]:
+    """The trainable parameters of the real-depth model in forward order: the shallow trace's
+    parameters before its first layer, its layer-0 parameters repeated `num_layers` times, then
+    the rest."""
+    p = trace.params
+    idx = [i for i in range(len(p.names)) if p.trainable[i] and p.tied_to[i] < 0]
+    in_layer = [k for k, i in enumerate(idx) if p.layer[i] >= 0]
+    first, last = (in_layer[0], in_layer[-1]) if in_layer else (len(idx), len(idx) - 1)
+    layer0 = [int(p.numel[i]) for i in idx if p.layer[i] == 0]
+    before = [int(p.numel[i]) for i in idx[:first]]
+    after = [int(p.numel[i]) for i in idx[last + 1:]]
+    return before + layer0 * num_layers + after
+
+
+def gathered_param_bytes(sizes: list[int], z: ZeroSetup) -> tuple[int, bool]:
+    """Bytes of gathered (non-persistent) parameters alive at the end of forward, in steady state.
+
+    partitioned_param_coordinator.py `__params_to_release`: after a module runs, a parameter is
+    kept gathered if the traced module order reuses it within `stage3_max_reuse_distance` elements;
+    a forward parameter is reused by its own backward after the forward and backward of every later
+    parameter: 2 x (numel after it). Parameters that are released are re-gathered one module at a
+    time, with up to `stage3_prefetch_bucket_size` elements (bounded by
+    `stage3_max_live_parameters`) prefetched (`fetch_sub_module`). Returns (bytes, all_kept)."""
+    threshold = z.ds.stage3_param_persistence_threshold
+    kept, released_max, after = 0, 0, 0
+    for n in reversed(sizes):
+        if n > threshold:
+            if 2 * after < z.ds.stage3_max_reuse_distance:
+                kept += n
+            else:
+                released_max = max(released_max, n)
+        after += n
+    if released_max == 0:
+        return z.model_bytes * kept, True
+    prefetch = min(z.ds.stage3_prefetch_bucket_size, z.ds.stage3_max_live_parameters)
+    return z.model_bytes * (kept + released_max + prefetch), False

@@ -1,0 +1,93 @@
+"""The caching-allocator simulator against cases computed by hand from the allocator's rules
+(c10/cuda/CUDACachingAllocator.cpp, summarised in launcher/memory/allocator.py)."""
+from launcher.memory.allocator import CachingAllocator, replay
+
+MiB = 2**20
+
+
+def test_small_request_reserves_a_2mib_segment_and_rounds_to_512():
+    a = CachingAllocator()
+    a.malloc(1000)
+    assert (a.reserved, a.allocated) == (2 * MiB, 1024)
+
+
+def test_small_requests_share_a_segment_until_it_is_full():
+    a = CachingAllocator()
+    for _ in range(2):
+        a.malloc(600 * 1024)
+    assert a.reserved == 2 * MiB  # 1200 KiB used, 848 KiB left in the segment
+    a.malloc(900 * 1024)  # 848 KiB < 900 KiB: a second small segment
+    assert a.reserved == 4 * MiB
+
+
+def test_large_request_below_10mib_gets_a_20mib_segment():
+    a = CachingAllocator()
+    a.malloc(5 * MiB)
+    assert a.reserved == 20 * MiB
+    a.malloc(5 * MiB)  # 15 MiB free in that segment, split: no new segment
+    assert a.reserved == 20 * MiB
+
+
+def test_request_of_10mib_or_more_gets_its_size_rounded_to_2mib():
+    a = CachingAllocator()
+    a.malloc(15 * MiB)
+    assert a.reserved == 16 * MiB
+    a.malloc(15 * MiB + 1)
+    assert a.reserved == 32 * MiB
+
+
+def test_freed_block_is_reused_and_split_by_best_fit():
+    a = CachingAllocator()
+    x = a.malloc(12 * MiB)
+    a.malloc(12 * MiB)
+    a.free(x)
+    a.malloc(8 * MiB)  # fits in the freed 12 MiB block: 4 MiB remain (> 1 MiB: split)
+    assert a.reserved == 24 * MiB
+    assert a.allocated == 20 * MiB
+    a.malloc(4 * MiB)  # the 4 MiB remainder serves it exactly
+    assert a.reserved == 24 * MiB
+
+
+def test_large_block_with_at_most_1mib_left_is_handed_out_whole():
+    a = CachingAllocator()
+    x = a.malloc(12 * MiB)
+    a.free(x)
+    a.malloc(11 * MiB + 512 * 1024)  # 512 KiB would remain: no split
+    assert a.allocated == 12 * MiB
+
+
+def test_best_fit_prefers_the_smallest_sufficient_block():
+    a = CachingAllocator()
+    big, keep1, small, keep2 = a.malloc(30 * MiB), a.malloc(12 * MiB), a.malloc(14 * MiB), a.malloc(12 * MiB)
+    a.free(big)
+    a.free(small)
+    a.malloc(13 * MiB)  # best fit is the 14 MiB block (1 MiB left: not split), not the 30 MiB one
+    assert a.allocated == 12 * MiB + 12 * MiB + 14 * MiB
+    a.malloc(30 * MiB)  # the 30 MiB block is still free
+    assert a.reserved == (30 + 12 + 14 + 12) * MiB
+
+
+def test_freed_neighbours_merge_so_a_larger_request_reuses_the_segment():
+    a = CachingAllocator()
+    x, y = a.malloc(3 * MiB), a.malloc(3 * MiB)  # one 20 MiB segment
+    a.free(x)
+    a.free(y)
+    a.malloc(18 * MiB)  # the merged 20 MiB block serves it (2 MiB left, split)
+    assert a.reserved == 20 * MiB
+
+
+def test_small_and_large_pools_do_not_share_segments():
+    a = CachingAllocator()
+    x = a.malloc(5 * MiB)
+    a.free(x)  # a free 20 MiB large block
+    a.malloc(1000)  # small pool: needs its own 2 MiB segment
+    assert a.reserved == 22 * MiB
+
+
+def test_replay_tracks_peaks_and_never_releases():
+    events = [(0, 1, "a", 12 * MiB), (1, 1, "b", 12 * MiB), (2, -1, "a", 0), (3, -1, "b", 0),
+              (4, 1, "c", 1000)]
+    a = replay(events)
+    assert a.peak_allocated == 24 * MiB
+    assert a.peak_reserved == 24 * MiB + 2 * MiB
+    assert a.allocated == 1024

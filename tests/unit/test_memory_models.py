@@ -1,0 +1,178 @@
+"""Strategy memory models on synthetic traces whose every byte is known, against closed forms
+composed by hand (torch DDP) and the ZeRO paper's model-state formulas (arXiv:1910.02054 sec. 5)."""
+import numpy as np
+import pytest
+
+from launcher.config import DDPConfig, DeepSpeedConfig
+from launcher.errors import ConfigError
+from launcher.memory import estimate_memory, trace_request
+from launcher.memory.common import model_state_bytes
+from launcher.memory.deepspeed import ZeroSetup, zero0_layout, zero12_layout
+from launcher.memory.zero3 import gathered_param_bytes, zero3_layout
+from launcher.steptrace import Kind, ParamTable, Role, StepTrace, TraceSet
+from launcher.types import Cluster, Strategy, Workload
+
+EMB, LAYER_PARAMS = 4096, (20_000, 12_000)  # numel of the embedding and of each layer's params
+ACT_PER_LAYER = 50_000  # bytes saved for backward per layer
+
+
+class _Events:
+    def __init__(self):
+        self.rows, self.n = [], 0
+
+    def alloc(self, nbytes, kind, param=-1):
+        self.rows.append([nbytes, self.n, None, kind, -1, param])
+        self.n += 1
+        return len(self.rows) - 1
+
+    def free(self, row):
+        self.rows[row][2] = self.n
+        self.n += 1
+
+
+def synthetic_trace(num_layers: int, esize: int = 4, optimizer: bool = True,
+                    layer_params=LAYER_PARAMS) -> StepTrace:
+    """build: params; forward: one activation per layer; backward: per layer (reverse) its grads
+    (each ready at the next event) then its activation freed; optimizer: AdamW foreach (2 states
+    per param + one temporary over all params); zero_grad frees the grads."""
+    numel = [EMB] + [n for _ in range(num_layers) for n in layer_params]
+    layer = [-1] + [l for l in range(num_layers) for _ in layer_params]
+    e, phases = _Events(), {}
+    phases["build"] = 0
+    params = [e.alloc(n * esize, Kind.PARAM, i) for i, n in enumerate(numel)]
+    phases["forward"] = e.n
+    acts = [e.alloc(ACT_PER_LAYER, Kind.ACT) for _ in range(num_layers)]
+    phases["backward"] = e.n
+    grads, ready = [], {}
+    for l in reversed(range(num_layers)):
+        for i in (i for i in range(len(numel)) if layer[i] == l):
+            grads.append(e.alloc(numel[i] * esize, Kind.GRAD, i))
+            ready[grads[-1]] = e.n
+        e.free(acts[l])
+    grads.append(e.alloc(EMB * esize, Kind.GRAD, 0))
+    ready[grads[-1]] = e.n
+    tail = e.alloc(8, Kind.ACT)
+    e.free(tail)
+    phases["optimizer"] = e.n
+    if optimizer:
+        for i, n in enumerate(numel):
+            e.alloc(n * 4, Kind.OPTIM, i), e.alloc(n * 4, Kind.OPTIM, i), e.alloc(4, Kind.OPTIM, i)
+        tmp = e.alloc(sum(numel) * 4, Kind.ACT)
+        e.free(tmp)
+    phases["zero_grad"] = e.n
+    for g in grads:
+        e.free(g)
+    end = e.n
+    rows = np.array([[r[0], r[1], end if r[2] is None else r[2], r[3], -1, r[5]] for r in e.rows],
+                    dtype=np.int64)
+    for g, ev in ready.items():
+        rows[g, 4] = ev
+    names = tuple(f"p{i}" for i in range(len(numel)))
+    table = ParamTable(names, np.array(numel), np.full(len(numel), esize), np.ones(len(numel), bool),
+                       np.array([Role.EMBEDDING] + [Role.LAYER] * (len(numel) - 1), np.int8),
+                       np.array(layer), np.full(len(numel), -1))
+    phases = {"build": (0, phases["forward"]), "forward": (phases["forward"], phases["backward"]),
+              "backward": (phases["backward"], phases["optimizer"]),
+              "optimizer": (phases["optimizer"], phases["zero_grad"]), "zero_grad": (phases["zero_grad"], end)}
+    return StepTrace(num_layers, 1, 8, table, rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3].astype(np.int8),
+                     rows[:, 4], rows[:, 5], end, phases)
+
+
+def psi(num_layers):
+    return EMB + num_layers * sum(LAYER_PARAMS)
+
+
+CPU = Cluster("cpu", "cpu", 2, 1, 2**34, 2**34, {}, 0.5, 1, 1, 1, 1, 0, 0)
+WL32 = Workload(8, 1, "32-true", "adamw_torch", False, "sdpa")
+
+
+@pytest.mark.parametrize("bucket_view", [True, False])
+def test_ddp_peak_is_composed_by_hand_and_extrapolated(bucket_view):
+    L = 6
+    traces = TraceSet(synthetic_trace(1), synthetic_trace(2), L)
+    est = estimate_memory(traces, Strategy("ddp", "ddp"), WL32, CPU, DeepSpeedConfig(),
+                          DDPConfig(gradient_as_bucket_view=bucket_view), 2)
+    n = psi(L)
+    params, buckets, states = 4 * n, 4 * n, 8 * n + 4 * (1 + 2 * L)
+    acts = L * ACT_PER_LAYER
+    if bucket_view:  # the largest grad exists for one event before it is copied into its bucket
+        backward = params + buckets + states + acts + 4 * max(LAYER_PARAMS)
+    else:  # the last layer's grads (first in backward) arrive while every activation is alive
+        backward = params + buckets + states + acts + 4 * sum(LAYER_PARAMS)
+        backward = max(backward, params + buckets + states + 4 * n + ACT_PER_LAYER)
+    optimizer = params + buckets + states + 4 * n + (0 if bucket_view else 4 * n)
+    assert est.peak_allocated_bytes == max(backward, optimizer)
+    assert est.peak_reserved_bytes == est.device_total_bytes == est.peak_allocated_bytes
+
+
+def _zero(stage, dp, esize=2, **ds):
+    cfg = DeepSpeedConfig(reduce_bucket_size=64, allgather_bucket_size=64, **ds)
+    return ZeroSetup(stage, False, False, esize, 4, "adamw_torch", cfg, dp)
+
+
+@pytest.mark.parametrize("dp", [2, 4, 8])
+def test_zero_model_states_match_the_paper_with_tiny_buckets(dp):
+    """Pos: 2Ψ + 2Ψ + 12Ψ/Nd; Pos+g: 2Ψ + 14Ψ/Nd; Pos+g+p: 16Ψ/Nd (K = 12). DeepSpeed differs
+    from the formulas only by: the reduce bucket; one gradient larger than the bucket waiting for
+    the next hook; stage 2's partition holding the whole of the (at most 2) parameters that cross
+    its edges; padding to dp."""
+    small = (2000,) * 16
+    t = synthetic_trace(4, esize=2, optimizer=False, layer_params=small)
+    n = EMB + 4 * sum(small)
+    expected = {1: 4 * n + 12 * n / dp, 2: 2 * n + 14 * n / dp, 3: 16 * n / dp}
+    layouts = {1: zero12_layout(t, _zero(1, dp)), 2: zero12_layout(t, _zero(2, dp)),
+               3: zero3_layout(t, _zero(3, dp, stage3_param_persistence_threshold=0))}
+    got = {s: model_state_bytes(lay) for s, lay in layouts.items()}
+    slack = 64 * 2 + 2 * EMB + 2 * 2 * 2000 + 16 * 2 * dp
+    for s in (1, 2, 3):
+        assert expected[s] <= got[s] <= expected[s] + slack, (s, got[s], expected[s])
+    assert got[3] < got[2] < got[1]
+    stage0 = model_state_bytes(zero0_layout(t, _zero(0, dp)))
+    assert stage0 == 16 * n + 4  # bf16 params + bf16 grads + fp32 master + Adam states + step
+    assert got[1] <= stage0
+
+
+def test_zero2_gradient_partition_holds_whole_parameters_overlapping_the_partition():
+    from launcher.memory.deepspeed import grads_in_partition_numel
+    # flat [0,10) [10,30) [30,40), dp=2 -> partitions [0,20) [20,40): rank 1 holds 20 + 10
+    assert grads_in_partition_numel([10, 20, 10], 2) == 30
+
+
+def test_zero3_gathered_parameters_follow_the_reuse_distance():
+    sizes = [1000] * 10
+    keep_all = _zero(3, 2, stage3_param_persistence_threshold=0, stage3_max_reuse_distance=10**9)
+    assert gathered_param_bytes(sizes, keep_all) == (2 * 10_000, True)
+    # reuse distance 2 x (numel after it) < 4500 keeps the last three parameters only;
+    # the rest are re-gathered one at a time with the prefetch bucket
+    some = _zero(3, 2, stage3_param_persistence_threshold=0, stage3_max_reuse_distance=4500,
+                 stage3_prefetch_bucket_size=500)
+    assert gathered_param_bytes(sizes, some) == (2 * (3000 + 1000 + 500), False)
+    persistent = _zero(3, 2, stage3_param_persistence_threshold=1000)
+    assert gathered_param_bytes(sizes, persistent) == (0, True)
+
+
+def test_trace_request_follows_each_framework():
+    wl = Workload(8, 1, "bf16-mixed", "adamw_torch", False, "sdpa")
+    assert trace_request(Strategy("ddp", "ddp"), wl) == {
+        "param_dtype": "float32", "autocast_dtype": "bfloat16", "optimizer": "adamw_foreach"}
+    assert trace_request(Strategy("zero2", "deepspeed", 2), wl) == {
+        "param_dtype": "bfloat16", "autocast_dtype": None, "optimizer": "none"}
+    true = Workload(8, 1, "bf16-true", "adamw_torch", False, "sdpa")
+    assert trace_request(Strategy("zero3", "deepspeed", 3), true)["param_dtype"] == "bfloat16"
+    with pytest.raises(ConfigError, match="bf16-true"):
+        trace_request(Strategy("zero0", "deepspeed", 0), true)
+    with pytest.raises(ConfigError, match="16-true"):
+        trace_request(Strategy("zero2", "deepspeed", 2), Workload(8, 1, "16-true", "sgd", False, "sdpa"))
+
+
+def test_gpu_estimate_adds_runtime_terms_and_reserved_covers_allocated():
+    gpu = Cluster("a100", "cuda", 2, 1, 80 * 2**30, 2**38, {}, 0.5, 1, 1, 1, 1, 80, 768 * 2**20)
+    traces = TraceSet(synthetic_trace(1), synthetic_trace(2), 4)
+    cpu = estimate_memory(traces, Strategy("ddp", "ddp"), WL32, CPU, DeepSpeedConfig(), DDPConfig(), 2)
+    est = estimate_memory(traces, Strategy("ddp", "ddp"), WL32, gpu, DeepSpeedConfig(), DDPConfig(), 2)
+    workspace = 2 * 8_519_680
+    assert est.peak_allocated_bytes >= cpu.peak_allocated_bytes + workspace
+    assert est.peak_allocated_bytes <= cpu.peak_allocated_bytes + workspace + 512 * 200
+    assert est.peak_reserved_bytes >= est.peak_allocated_bytes
+    assert est.device_total_bytes == est.peak_reserved_bytes + 768 * 2**20 + 544 * 2**20
+    assert any("nccl" in n.lower() for n in est.notes)
