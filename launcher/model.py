@@ -27,6 +27,7 @@ class ModelSpec:
     vocab_size: int
     max_positions: Optional[int]  # None when positions are unbounded (ALiBi)
     tie_word_embeddings: bool
+    attn_implementations: tuple  # what transformers supports for this architecture
 
     @property
     def hf_config_json(self) -> str:
@@ -76,7 +77,32 @@ def load_spec(mc: ModelConfig) -> ModelSpec:
         vocab_size=int(get("vocab_size")),
         max_positions=None if max_pos is None or cfg.model_type == "bloom" else int(max_pos),
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", True)),
+        attn_implementations=supported_attention(cfg.model_type),
     )
+
+
+def supported_attention(model_type: str) -> tuple:
+    """Attention implementations transformers' causal-LM class declares (`_supports_sdpa`,
+    `_supports_flash_attn`; eager always)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type], None)
+    out = ["eager"]
+    if cls is None or getattr(cls, "_supports_sdpa", False):
+        out.append("sdpa")
+    if cls is None or getattr(cls, "_supports_flash_attn", False):
+        out.append("flash_attention_2")
+    return tuple(out)
+
+
+def effective_attention(spec: ModelSpec, requested: str) -> tuple[str, str]:
+    """(implementation used, note): the requested one if the architecture supports it, else
+    eager, which transformers falls back to for such architectures."""
+    if requested in spec.attn_implementations:
+        return requested, ""
+    return "eager", (f"{spec.model_type} does not support attn_implementation={requested} in transformers; "
+                     "eager attention is planned and used")
 
 
 def custom_name(config_path: str) -> str:

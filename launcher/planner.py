@@ -56,50 +56,105 @@ def grad_accum(config: LauncherConfig, micro: int, dp: int) -> int:
     return g // (micro * dp)
 
 
-def workload(config: LauncherConfig, micro: int) -> Workload:
+def workload(config: LauncherConfig, spec: ModelSpec, micro: int) -> Workload:
+    from launcher.model import effective_attention
+
     t = config.training
     return Workload(seq_len=t.seq_len, micro_batch_size=micro, precision=t.precision.name,
                     optimizer=t.optimizer.name, gradient_checkpointing=t.gradient_checkpointing,
-                    attn_implementation=t.attn_implementation.name)
+                    attn_implementation=effective_attention(spec, t.attn_implementation.name)[0])
+
+
+def unsupported(strategy: Strategy, config: LauncherConfig, cluster: Cluster) -> str:
+    """Why this strategy cannot be a candidate here, or ''."""
+    from launcher.memory import deepspeed_support_problem
+
+    if cluster.device == "cpu" and (strategy.offload_optimizer or strategy.offload_params):
+        return "offload moves states to host memory, which on CPU processes is the same memory"
+    if strategy.backend == "deepspeed":
+        return deepspeed_support_problem(strategy, config.training.precision.name)
+    return ""
+
+
+def traced(config: LauncherConfig, spec: ModelSpec, strategy: Strategy, wl: Workload):
+    """The TraceSet this strategy's memory model needs (memoised and cached on disk by trace)."""
+    from launcher import memory, trace
+
+    key = trace.TraceKey(hf_config_json=trace.canonical_config_json(spec.hf_config),
+                         num_layers=spec.num_layers, micro_batch_size=wl.micro_batch_size,
+                         seq_len=wl.seq_len, attn_implementation=wl.attn_implementation,
+                         gradient_checkpointing=wl.gradient_checkpointing,
+                         **memory.trace_request(strategy, wl))
+    return trace.trace_set(key, spec.num_layers, cache_dir=config.cache_dir)
+
+
+def model_numbers(traces) -> dict:
+    """Parameter counts of the full-depth model, extrapolated from the traced shallow models
+    (tied weights counted once)."""
+    def count(t, trainable_only=False):
+        rows = t.params.tied_to < 0
+        if trainable_only:
+            rows &= t.params.trainable
+        return int(t.params.numel[rows].sum())
+    return {"num_params": round(traces.at_depth(count)),
+            "num_trainable_params": round(traces.at_depth(lambda t: count(t, True)))}
 
 
 def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy: Strategy,
-             micro: int) -> Candidate:
+             micro: int) -> tuple[Candidate, dict]:
     """Estimate one candidate's memory and speed from the traced step."""
-    from launcher import memory, speed, trace
+    from launcher import memory, speed
 
     dp = cluster.num_gpus // (strategy.tp_size * strategy.pp_size)
-    wl = workload(config, micro)
-    key = trace.key_for(spec, wl, **memory.trace_request(strategy, wl))
-    traces = trace.trace_set(key, spec.num_layers, cache_dir=config.cache_dir)
+    wl = workload(config, spec, micro)
+    traces = traced(config, spec, strategy, wl)
+    numbers = model_numbers(traces)
     accum = grad_accum(config, micro, dp)
     mem = memory.estimate_memory(traces, strategy, wl, cluster, config.deepspeed, config.ddp, dp)
-    spd = speed.estimate(traces, strategy, wl, cluster, config.deepspeed, accum, dp)
+    flops = {k: traces.at_depth(lambda t, k=k: t.flops[k]) for k in ("forward", "backward")}
+    spd = speed.estimate_speed(flops, strategy, wl, cluster, num_params=numbers["num_params"],
+                               num_trainable_params=numbers["num_trainable_params"], grad_accum_steps=accum,
+                               dp_size=dp, ds=config.deepspeed, ddp=config.ddp)
     usable = int(cluster.memory_bytes * (1 - config.planner.safety_margin))
     fits_device = mem.device_total_bytes <= usable
-    fits_host = mem.host_bytes * cluster.gpus_per_node <= cluster.host_memory_bytes
-    fits = fits_device and fits_host
+    host_need = mem.host_bytes * cluster.gpus_per_node
+    fits_host = host_need <= cluster.host_memory_bytes
     if not fits_device:
-        reason = (f"out of memory: needs {gib(mem.device_total_bytes)} per GPU, "
-                  f"{gib(usable)} usable ({gib(cluster.memory_bytes)} - {config.planner.safety_margin:.0%} margin)")
+        reason = (f"out of memory: needs {gib(mem.device_total_bytes)} per GPU, {gib(usable)} usable "
+                  f"({gib(cluster.memory_bytes)} minus {config.planner.safety_margin:.0%} margin); "
+                  f"largest term: {largest_term(mem.breakdown)}")
     elif not fits_host:
-        reason = f"host RAM: needs {gib(mem.host_bytes * cluster.gpus_per_node)} per node, has {gib(cluster.host_memory_bytes)}"
+        reason = f"host RAM: offload needs {gib(host_need)} per node, the node has {gib(cluster.host_memory_bytes)}"
     else:
         reason = f"fits: {gib(mem.device_total_bytes)} of {gib(usable)} usable"
-    return Candidate(strategy, micro, accum, mem, spd, fits, reason)
+    return Candidate(strategy, micro, accum, mem, spd, fits_device and fits_host, reason), numbers
+
+
+def largest_term(breakdown: dict) -> str:
+    name = max(("parameters", "gradients", "optimizer_states", "activations", "buffers", "runtime"),
+               key=lambda k: breakdown.get(k, 0))
+    return f"{name} {gib(breakdown.get(name, 0))}"
 
 
 def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster) -> Plan:
     """All candidates; per strategy the micro-batch search stops at the first one that does not fit."""
     candidates: list[Candidate] = []
+    notes: list[str] = []
+    numbers: dict = {}
     for strategy in strategies_for(config):
+        why = unsupported(strategy, config, cluster)
+        if why:
+            if config.strategy.name != "auto":
+                raise ConfigError(f"strategy={strategy.name}: {why}")
+            notes.append(f"{strategy.name} not planned: {why}")
+            continue
         dp = cluster.num_gpus // (strategy.tp_size * strategy.pp_size)
         micros = micro_batch_sizes(config, dp)
         if not micros:
             raise ConfigError(f"training.global_batch_size={config.training.global_batch_size} is not divisible by "
                               f"any micro-batch x data-parallel size {dp}; use a multiple of {dp}")
         for micro in micros:
-            cand = evaluate(config, spec, cluster, strategy, micro)
+            cand, numbers = evaluate(config, spec, cluster, strategy, micro)
             candidates.append(cand)
             if not cand.fits:
                 break
@@ -107,8 +162,12 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster) -> Plan:
     chosen = next((i for i, c in enumerate(ranked) if c.fits), None)
     ranked = [explain_loss(c, ranked[chosen]) if chosen is not None and i != chosen else c
               for i, c in enumerate(ranked)]
-    notes = plan_notes(config, spec, cluster, ranked, chosen)
-    model = {"name": spec.name, "model_type": spec.model_type, "num_params": num_params(ranked),
+    notes += plan_notes(config, cluster, chosen)
+    from launcher.model import effective_attention
+
+    attn_note = effective_attention(spec, config.training.attn_implementation.name)[1]
+    notes += [attn_note] if attn_note else []
+    model = {"name": spec.name, "model_type": spec.model_type, **numbers,
              "num_layers": spec.num_layers, "hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size}
     return Plan(model=model, hardware=cluster.hardware, gpus=cluster.num_gpus, nodes=cluster.num_nodes,
                 candidates=tuple(ranked), chosen=chosen, notes=tuple(notes))
@@ -122,16 +181,7 @@ def explain_loss(c: Candidate, best: Candidate) -> Candidate:
     return replace(c, reason=f"{c.reason}; slower: {ratio:.2f}x the chosen candidate's step time")
 
 
-def num_params(cands: list[Candidate]) -> int | None:
-    for c in cands:
-        n = c.memory.breakdown.get("num_params")
-        if n:
-            return int(n)
-    return None
-
-
-def plan_notes(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, ranked: list[Candidate],
-               chosen: int | None) -> list[str]:
+def plan_notes(config: LauncherConfig, cluster: Cluster, chosen: int | None) -> list[str]:
     notes = []
     if config.training.global_batch_size is None:
         notes.append("training.global_batch_size not set: each candidate uses micro_batch_size x data-parallel "
