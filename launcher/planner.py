@@ -120,13 +120,12 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
     host_need = mem.host_bytes * cluster.gpus_per_node
     fits_host = host_need <= cluster.host_memory_bytes
     if not fits_device:
-        reason = (f"out of memory: needs {gib(mem.device_total_bytes)} per GPU, {gib(usable)} usable "
-                  f"({gib(cluster.memory_bytes)} minus {config.planner.safety_margin:.0%} margin); "
-                  f"largest term: {largest_term(mem.breakdown)}")
+        reason = (f"OOM: {gib(mem.device_total_bytes)} > {gib(usable)} usable "
+                  f"({config.planner.safety_margin:.0%} margin); largest term: {largest_term(mem.breakdown)}")
     elif not fits_host:
-        reason = f"host RAM: offload needs {gib(host_need)} per node, the node has {gib(cluster.host_memory_bytes)}"
+        reason = f"host RAM: offload needs {gib(host_need)} per node > {gib(cluster.host_memory_bytes)}"
     else:
-        reason = f"fits: {gib(mem.device_total_bytes)} of {gib(usable)} usable"
+        reason = "fits"
     return Candidate(strategy, micro, accum, mem, spd, fits_device and fits_host, reason), numbers
 
 
@@ -178,7 +177,7 @@ def explain_loss(c: Candidate, best: Candidate) -> Candidate:
     if not c.fits:
         return c
     ratio = best.speed.tokens_per_s / max(c.speed.tokens_per_s, 1e-12)
-    return replace(c, reason=f"{c.reason}; slower: {ratio:.2f}x the chosen candidate's step time")
+    return replace(c, reason=f"fits; lost on speed: {ratio:.3f}x slower than the chosen")
 
 
 def plan_notes(config: LauncherConfig, cluster: Cluster, chosen: int | None) -> list[str]:

@@ -61,23 +61,24 @@ def print_plan(plan: Plan, capacity_bytes: int, console=None) -> None:
     title = (f"{plan.model['name']} ({n / 1e9:.2f}B params) on {plan.gpus} x {plan.hardware}"
              f"{f' over {plan.nodes} nodes' if plan.nodes > 1 else ''}: {gib(capacity_bytes)} GiB per GPU"
              if n else f"{plan.model['name']} on {plan.gpus} x {plan.hardware}")
-    table = Table(title=title, show_lines=False)
+    table = Table(title=title, show_lines=False, pad_edge=False, box=None, header_style="bold")
     for col, just in (("#", "right"), ("strategy", "left"), ("micro", "right"), ("accum", "right"),
-                      ("peak GiB", "right"), ("alloc", "right"), ("params", "right"), ("grads", "right"),
+                      ("total", "right"), ("alloc", "right"), ("params", "right"), ("grads", "right"),
                       ("optim", "right"), ("activ", "right"), ("buffers", "right"), ("runtime", "right"),
                       ("host", "right"), ("tokens/s", "right"), ("verdict", "left")):
         table.add_column(col, justify=just, overflow="fold")
     for i, c in enumerate(plan.candidates):
         b = c.memory.breakdown
-        mark = "CHOSEN" if i == plan.chosen else ("fits" if c.fits else "OOM")
         style = "bold green" if i == plan.chosen else (None if c.fits else "red")
         table.add_row(str(i), c.strategy.name, str(c.micro_batch_size), str(c.grad_accum_steps),
                       gib(c.memory.device_total_bytes), gib(c.memory.peak_allocated_bytes),
                       *(gib(b.get(k, 0)) for k in BREAKDOWN_KEYS), gib(c.memory.host_bytes),
-                      f"{c.speed.tokens_per_s:,.0f}", f"{mark}: {c.reason}", style=style)
+                      f"{c.speed.tokens_per_s:,.0f}", "CHOSEN: fastest that fits" if i == plan.chosen else c.reason,
+                      style=style)
     console.print(table)
-    console.print("peak GiB = device total (nvidia-smi: reserved + CUDA context + NCCL); alloc = "
-                  "max_memory_allocated; breakdown at the peak; all per GPU on the worst rank.")
+    console.print("GiB per GPU on the worst rank. total = device total as nvidia-smi shows it (peak reserved + "
+                  "CUDA context + NCCL); alloc = max_memory_allocated; params..runtime = breakdown at the peak; "
+                  "host = offloaded bytes per rank.")
     for note in plan.notes:
         console.print(f"note: {note}")
     if plan.chosen is not None:
