@@ -1,0 +1,241 @@
+"""Per-GPU memory of serving a decoder LLM with transformers' `generate`: weights (16-bit or
+bitsandbytes int8/nf4/fp4), KV cache, and the activations of the largest forward.
+
+`estimate_inference` is pure arithmetic on an `InferenceSpec` of plain numbers; `inference_spec_from_hf_config`
+fills one from a config.json dict by building the model on the meta device (no weights).
+
+Assumptions (stated once; each function cites its sources):
+- Quantization follows transformers' bitsandbytes integration: every `nn.Linear`/`Conv1D` is replaced
+  except the modules of `HfQuantizer.get_modules_to_not_convert` (tied weights, the output embeddings
+  `lm_head`, the last module, `_keep_in_fp32_modules`), see transformers/integrations/bitsandbytes.py
+  replace_with_bnb_linear and quantizers/base.py get_keys_to_not_convert. Embeddings, norms, biases and
+  lm_head stay in the 16-bit load dtype. Defaults are BitsAndBytesConfig's (utils/quantization_config.py):
+  no double quantization, blocksize 64 (bitsandbytes/nn/modules.py Params4bit).
+- Tensor parallelism follows transformers' tp_plan for Llama (models/llama/configuration_llama.py
+  base_model_tp_plan, modeling_llama.py `_tp_plan = {"lm_head": "colwise_gather_output"}`): every
+  Linear inside the decoder layers is split over tp ranks (numel/tp, rows/tp for int8 scales; the small
+  K/V projection replication when kv_heads < tp is ignored), an untied lm_head is split over the
+  vocabulary, token/position embeddings, norms and biases are replicated. KV heads are split as vLLM's
+  QKVParallelLinear does: kv_heads/tp per rank, or one replicated head per rank when tp >= kv_heads.
+- Runtime terms outside tensors (CUDA context, allocator caching, NCCL) are not included here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from launcher import quant
+
+PRECISIONS = ("bf16", "fp16", "int8", "nf4", "fp4")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+HALF_BYTES = 2
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class InferenceSpec:
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    embedding_params: int  # nn.Embedding weights (tokens, positions): 16-bit, replicated under TP
+    head_params: int  # untied output projection (0 when tied to the embedding): 16-bit, vocab-split under TP
+    linear_weight_shapes: tuple  # (out_features, in_features) of every Linear weight bitsandbytes converts
+    other_params: int  # norms, biases and anything else: 16-bit, replicated under TP
+    gated_mlp: bool  # act(gate(x)) * up(x) (Llama) rather than act(fc(x)) (GPT-2, StarCoder)
+
+    @property
+    def num_params(self) -> int:
+        linear = sum(o * i for o, i in self.linear_weight_shapes)
+        return self.embedding_params + self.head_params + linear + self.other_params
+
+
+def kv_heads_per_gpu(num_key_value_heads: int, tp_size: int) -> int:
+    """KV heads held by one TP rank. Source: vLLM model_executor/layers/linear.py QKVParallelLinear
+    (`if tp_size >= total_num_kv_heads: num_kv_heads = 1` (replicated) else total/tp)."""
+    if tp_size >= num_key_value_heads:
+        if tp_size % num_key_value_heads:
+            raise ValueError(f"tp_size={tp_size} is not a multiple of num_key_value_heads={num_key_value_heads}")
+        return 1
+    if num_key_value_heads % tp_size:
+        raise ValueError(f"num_key_value_heads={num_key_value_heads} is not divisible by tp_size={tp_size}")
+    return num_key_value_heads // tp_size
+
+
+def kv_cache_bytes(spec: InferenceSpec, batch_size: int, num_tokens: int, tp_size: int = 1,
+                   bytes_per_value: int = HALF_BYTES) -> int:
+    """Keys and values of every layer: 2 x num_layers x batch x tokens x kv_heads x head_dim x bytes.
+    GQA/MQA store num_key_value_heads, not attention heads (GQA, arXiv:2305.13245). Source:
+    transformers/cache_utils.py DynamicLayer.update (keys/values [batch, kv_heads, seq, head_dim])."""
+    kv_heads = kv_heads_per_gpu(spec.num_key_value_heads, tp_size)
+    return 2 * spec.num_layers * batch_size * num_tokens * kv_heads * spec.head_dim * bytes_per_value
+
+
+def weight_bytes(spec: InferenceSpec, precision: str, tp_size: int = 1, blocksize: int = 64,
+                 double_quant: bool = False) -> dict:
+    """Per-GPU weight bytes. Linear weights use launcher.quant's bitsandbytes layouts for int8/nf4/fp4
+    and 2 bytes otherwise; see the module docstring for what is kept 16-bit and what TP splits."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    linear = 0
+    for out_features, in_features in spec.linear_weight_shapes:
+        shard_out = -(-out_features // tp_size)
+        if precision == "int8":
+            linear += quant.int8_weight_bytes(shard_out, in_features)["total_bytes"]
+        elif precision in ("nf4", "fp4"):
+            linear += quant.four_bit_weight_bytes(shard_out * in_features, blocksize, double_quant,
+                                                  quant_type=precision)["total_bytes"]
+        else:
+            linear += shard_out * in_features * HALF_BYTES
+    out = {
+        "linear_weight_bytes": linear,
+        "embedding_bytes": spec.embedding_params * HALF_BYTES,
+        "head_bytes": -(-spec.head_params // tp_size) * HALF_BYTES,
+        "other_weight_bytes": spec.other_params * HALF_BYTES,
+    }
+    out["total_bytes"] = sum(out.values())
+    return out
+
+
+def forward_activation_bytes(spec: InferenceSpec, precision: str, batch_size: int, query_len: int,
+                             key_len: int, tp_size: int = 1, attn_implementation: str = "sdpa",
+                             logits_to_keep: int = 1) -> int:
+    """Peak live activations of one no-grad forward over `query_len` new tokens attending to `key_len`
+    (the largest of the attention, MLP and head phases, plus the quantized matmul's temporary):
+    - each phase keeps the residual stream and its normed copy: 2 x batch x q x hidden;
+    - attention: q, k, v and the output; eager adds the scores, upcast to fp32 by the softmax while the
+      16-bit scores and the 16-bit result are alive (batch x heads x q x k x (2+4+2) bytes:
+      models/llama/modeling_llama.py eager_attention_forward), and repeat_kv's copies of K and V expanded
+      to all heads; sdpa/flash keep no q x k tensor (on GPU);
+    - MLP: act(gate(x)) and up(x) and their product (3 x batch x q x intermediate) for gated MLPs,
+      fc(x) and act(fc(x)) (2 x) otherwise;
+    - head: `generate` sets logits_to_keep=1 (generation/utils.py GenerationMixin.generate, "avoid
+      computing the whole logit matrix") and copies the last logits to fp32 (`_sample`:
+      `outputs.logits[:, -1].to(copy=True, dtype=torch.float32)`); logits_to_keep=0 means all positions;
+    - nf4/fp4 prefill: bitsandbytes' gemm_4bit dequantizes the weight to 16 bits and calls F.linear
+      when the row count exceeds its kernel's limit (backends/cuda/ops.py gemm_4bit,
+      _dequant_linear_fallback): one 16-bit copy of the largest weight shard;
+    - int8: MatMul8bitLt quantizes the input to int8 plus fp32 row scales and int8_scaled_mm makes an
+      int32 product before dequantizing (autograd/_functions.py, backends/default/ops.py)."""
+    if attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}")
+    tokens = batch_size * query_len
+    heads = max(1, spec.num_attention_heads // tp_size)
+    kv_heads = kv_heads_per_gpu(spec.num_key_value_heads, tp_size)
+    residual = 2 * tokens * spec.hidden_size * HALF_BYTES
+    attention = tokens * (2 * heads + 2 * kv_heads) * spec.head_dim * HALF_BYTES
+    if attn_implementation == "eager":
+        attention += batch_size * heads * query_len * key_len * (2 * HALF_BYTES + FP32_BYTES)
+        attention += 2 * batch_size * heads * key_len * spec.head_dim * HALF_BYTES  # repeat_kv copies
+    mlp = (3 if spec.gated_mlp else 2) * tokens * -(-spec.intermediate_size // tp_size) * HALF_BYTES
+    kept = query_len if logits_to_keep == 0 else min(logits_to_keep, query_len)
+    head = batch_size * spec.vocab_size * (kept * HALF_BYTES + FP32_BYTES)
+    return max(residual + attention, residual + mlp, head) + _matmul_temp_bytes(spec, precision, tokens, tp_size)
+
+
+def _matmul_temp_bytes(spec: InferenceSpec, precision: str, tokens: int, tp_size: int) -> int:
+    """Transient of one quantized matmul (see forward_activation_bytes)."""
+    if not spec.linear_weight_shapes or precision in ("bf16", "fp16"):
+        return 0
+    if precision == "int8":
+        return max(tokens * (i + FP32_BYTES * -(-o // tp_size)) + tokens * FP32_BYTES
+                   for o, i in spec.linear_weight_shapes)
+    return max(-(-o // tp_size) * i for o, i in spec.linear_weight_shapes) * HALF_BYTES
+
+
+def estimate_inference(spec: InferenceSpec, precision: str, batch_size: int, prompt_len: int, gen_len: int,
+                       tp_size: int = 1, attn_implementation: str = "sdpa", blocksize: int = 64,
+                       double_quant: bool = False, kv_bytes_per_value: int = HALF_BYTES) -> dict:
+    """Per-GPU bytes of `generate(batch_size x prompt_len, max_new_tokens=gen_len)` with a DynamicCache.
+
+    peak = weights + max(prefill, last decode step), where
+    prefill = KV cache of the prompt + forward_activation_bytes(q=prompt_len, k=prompt_len);
+    last decode = full KV cache (prompt + gen) + forward_activation_bytes(q=1, k=prompt+gen) + one layer's
+    K (or V) being re-allocated: DynamicLayer.update grows the cache with torch.cat, so old and new
+    tensors are both alive (transformers/cache_utils.py)."""
+    total_tokens = prompt_len + gen_len
+    weights = weight_bytes(spec, precision, tp_size, blocksize, double_quant)
+    kv_full = kv_cache_bytes(spec, batch_size, total_tokens, tp_size, kv_bytes_per_value)
+    kv_prompt = kv_cache_bytes(spec, batch_size, prompt_len, tp_size, kv_bytes_per_value)
+    prefill_act = forward_activation_bytes(spec, precision, batch_size, prompt_len, prompt_len, tp_size,
+                                           attn_implementation)
+    decode_act = forward_activation_bytes(spec, precision, batch_size, 1, total_tokens, tp_size,
+                                          attn_implementation)
+    cat_transient = kv_full // (2 * spec.num_layers)
+    prefill = kv_prompt + prefill_act
+    decode = kv_full + decode_act + cat_transient
+    return {
+        "precision": precision,
+        "tp_size": tp_size,
+        "weight_bytes": weights["total_bytes"],
+        "weight_breakdown": weights,
+        "kv_cache_bytes": kv_full,
+        "kv_cache_bytes_per_token": kv_cache_bytes(spec, 1, 1, tp_size, kv_bytes_per_value),
+        "prefill_activation_bytes": prefill_act,
+        "decode_activation_bytes": decode_act + cat_transient,
+        "peak_phase": "prefill" if prefill >= decode else "decode",
+        "peak_bytes": weights["total_bytes"] + max(prefill, decode),
+    }
+
+
+def inference_spec_from_hf_config(hf_config: dict) -> InferenceSpec:
+    """Count parameters by role on a meta-device model built from a config.json dict. Which Linear
+    weights are quantized is decided by transformers itself (HfQuantizer.get_modules_to_not_convert,
+    as quantizers/quantizer_bnb_4bit.py calls it, and should_convert_module)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    fields = {k: v for k, v in hf_config.items() if k != "model_type"}
+    cfg = AutoConfig.for_model(hf_config["model_type"], **fields)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    skip = HfQuantizer.get_modules_to_not_convert(model, None, getattr(model, "_keep_in_fp32_modules", None))
+    owners = {}  # a tied weight has two owners; the embedding role wins
+    for name, m in model.named_modules():
+        for p in m.parameters(recurse=False):
+            if id(p) not in owners or not isinstance(owners[id(p)][1], torch.nn.Embedding):
+                owners[id(p)] = (name, m)
+    head = model.get_output_embeddings()
+    counts = {"embedding": 0, "head": 0, "other": 0}
+    shapes = []
+    for p in model.parameters():
+        name, module = owners[id(p)]
+        if isinstance(module, torch.nn.Embedding):
+            counts["embedding"] += p.numel()
+        elif module is head and p is module.weight:
+            counts["head"] += p.numel()
+        elif (type(module) is torch.nn.Linear or isinstance(module, Conv1D)) and p is module.weight \
+                and should_convert_module(name, skip):
+            shape = tuple(p.shape) if type(module) is torch.nn.Linear else tuple(p.shape)[::-1]
+            shapes.append(shape)
+        else:
+            counts["other"] += p.numel()
+    return _spec_numbers(cfg, shapes, counts)
+
+
+def _spec_numbers(cfg, shapes: list, counts: dict) -> InferenceSpec:
+    def get(*names, default=None):
+        return next((getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None), default)
+
+    hidden = int(get("hidden_size", "n_embd"))
+    heads = int(get("num_attention_heads", "n_head"))
+    if getattr(cfg, "multi_query", False) and not getattr(cfg, "new_decoder_architecture", False):
+        kv_heads = 1
+    else:
+        kv_heads = int(get("num_key_value_heads", "num_kv_heads", default=heads))
+    intermediate = int(get("intermediate_size", "n_inner", "ffn_dim", default=4 * hidden))
+    num_intermediate_outputs = sum(1 for o, i in shapes if (o, i) == (intermediate, hidden))
+    num_layers = int(get("num_hidden_layers", "n_layer"))
+    return InferenceSpec(
+        num_layers=num_layers, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=int(get("head_dim", default=hidden // heads)), intermediate_size=intermediate,
+        vocab_size=int(cfg.vocab_size), embedding_params=counts["embedding"], head_params=counts["head"],
+        linear_weight_shapes=tuple(shapes), other_params=counts["other"],
+        gated_mlp=num_intermediate_outputs >= 2 * num_layers,
+    )
+
