@@ -1,0 +1,108 @@
+"""Build the causal LM from the run spec's HF config, and the precision settings around it.
+
+Precision follows Lightning's names:
+- '32-true': fp32 weights and compute.
+- 'bf16-true': weights, gradients and optimizer state in bf16.
+- 'bf16-mixed' / '16-mixed': fp32 weights; with DDP the forward and loss run under
+  `torch.autocast` (bf16 / fp16; fp16 on cuda adds a GradScaler); with DeepSpeed the ds_config's
+  "bf16" / "fp16" section does the casting, so the model is handed over in fp32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from launcher.errors import ConfigError
+
+PRECISIONS = ("32-true", "bf16-true", "bf16-mixed", "16-mixed")
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    model_dtype: str  # 'float32' | 'bfloat16'
+    autocast_dtype: Optional[str]  # None | 'bfloat16' | 'float16'
+    grad_scaler: bool
+
+
+def precision_plan(precision: str, backend: str, device: str) -> PrecisionPlan:
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
+    if backend == "deepspeed" or precision == "32-true":
+        return PrecisionPlan("float32", None, False)
+    if precision == "bf16-true":
+        return PrecisionPlan("bfloat16", None, False)
+    if precision == "bf16-mixed":
+        return PrecisionPlan("float32", "bfloat16", False)
+    return PrecisionPlan("float32", "float16", device == "cuda")
+
+
+def build_config(hf_config: dict):
+    from transformers import AutoConfig
+
+    if "model_type" not in hf_config:
+        raise ConfigError("hf_config has no 'model_type'; it must be a config.json of a transformers model")
+    values = dict(hf_config)
+    try:
+        return AutoConfig.for_model(values.pop("model_type"), **values)
+    except ValueError as err:
+        raise ConfigError(f"hf_config: {str(err).splitlines()[0]}") from None
+
+
+def max_positions(config) -> Optional[int]:
+    """Longest sequence the position embedding covers; None for position-free models (ALiBi, e.g. BLOOM)."""
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_seq_len(config, seq_len: int) -> None:
+    limit = max_positions(config)
+    if limit is not None and seq_len > limit:
+        raise ConfigError(f"seq_len={seq_len} is larger than the model's maximum of {limit} positions; "
+                          f"use seq_len <= {limit}")
+
+
+def build_model(spec, config, plan: PrecisionPlan):
+    """`from_config` (random init, in the target dtype) or `from_pretrained` (local files only)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, plan.model_dtype)
+    common = dict(dtype=dtype, attn_implementation=spec.attn_implementation,
+                  trust_remote_code=spec.trust_remote_code)
+    if spec.init == "random":
+        model = AutoModelForCausalLM.from_config(config, **common)
+    elif spec.init == "pretrained":
+        if not spec.pretrained_path:
+            raise ConfigError("init='pretrained' needs pretrained_path")
+        model = AutoModelForCausalLM.from_pretrained(spec.pretrained_path, local_files_only=True, **common)
+    else:
+        raise ConfigError(f"init={spec.init!r} is not 'random' or 'pretrained'")
+    model.config.use_cache = False
+    if spec.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def load_config(spec):
+    """The model config: `hf_config` for a random init; for 'pretrained', the checkpoint's own
+    config.json (local files only) unless `hf_config` gives a full config with its model_type."""
+    if spec.init == "pretrained" and "model_type" not in spec.hf_config:
+        from transformers import AutoConfig
+
+        if not spec.pretrained_path:
+            raise ConfigError("init='pretrained' needs pretrained_path")
+        try:
+            return AutoConfig.from_pretrained(spec.pretrained_path, local_files_only=True,
+                                              trust_remote_code=spec.trust_remote_code)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"cannot read the config in {spec.pretrained_path}: "
+                              f"{str(err).strip().splitlines()[0]}") from None
+    return build_config(spec.hf_config)
