@@ -21,6 +21,7 @@ class Job:
     argv: tuple[str, ...]
     env: dict
     run_dir: Path
+    world_size: int
 
     @property
     def command_line(self) -> str:
@@ -76,7 +77,7 @@ def prepare(plan: Plan, config: LauncherConfig, spec: ModelSpec, run_dir: Path) 
     run_spec(c, config, spec, run_dir, framework).save(run_json)
     argv = torchrun_argv(config, run_json)
     env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // max(1, config.gpus // config.nodes)))}
-    job = Job(tuple(argv), env, run_dir)
+    job = Job(tuple(argv), env, run_dir, config.gpus)
     script = ["#!/usr/bin/env bash", "# Re-run this training exactly as launched.", "set -euo pipefail",
               *(f"export {k}={shlex.quote(v)}" for k, v in env.items()), job.command_line, ""]
     path = run_dir / "launch_command.sh"
@@ -85,10 +86,26 @@ def prepare(plan: Plan, config: LauncherConfig, spec: ModelSpec, run_dir: Path) 
     return job
 
 
+def check(job: Job) -> None:
+    """Validate run.json in one process (model, tokenizer, dataset, framework config) before
+    torchrun starts, so a bad input is one line, not a failure on every rank."""
+    from launcher.errors import ConfigError
+
+    run_json = job.argv[-1]
+    proc = subprocess.run([sys.executable, "-m", "launcher.worker", "--check", run_json],
+                          env={**os.environ, **job.env, "WORLD_SIZE": str(job.world_size)},
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+        raise ConfigError(lines[-1].removeprefix("error: ") if lines else proc.stderr.strip().splitlines()[-1])
+
+
 def execute(job: Job, quiet: bool = False) -> int:
-    """Run torchrun in the foreground; the worker's rank 0 prints progress. Returns its exit code."""
+    """Check, then run torchrun in the foreground; the worker's rank 0 prints progress; with
+    `quiet` its output goes to train.log in the run directory. Returns torchrun's exit code."""
+    check(job)
     env = {**os.environ, **job.env}
-    out = subprocess.DEVNULL if quiet else None
+    if not quiet:
+        return subprocess.run(job.argv, env=env).returncode
     with open(job.run_dir / "train.log", "w") as log:
-        proc = subprocess.run(job.argv, env=env, stdout=out, stderr=log if quiet else None)
-    return proc.returncode
+        return subprocess.run(job.argv, env=env, stdout=log, stderr=subprocess.STDOUT).returncode

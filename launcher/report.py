@@ -91,10 +91,16 @@ def print_plan(plan: Plan, capacity_bytes: int, console=None) -> None:
 
 
 def print_summary(run_dir: Path) -> None:
-    """Measured peak memory per rank next to the estimate (from the worker's summary.json)."""
+    """One line after training: loss, measured throughput next to the estimate (the worker's rank 0
+    has already printed measured peak memory per rank next to the estimate)."""
     path = run_dir / "summary.json"
     if not path.exists():
-        print(f"no summary.json in {run_dir}")
+        print(f"no summary.json in {run_dir}: training did not finish")
         return
     s = json.loads(path.read_text())
-    print(json.dumps({k: s[k] for k in s if k in ("steps", "first_loss", "last_loss", "tokens_per_s")}))
+    est = s.get("estimate", {})
+    line = (f"trained {s['steps']} steps: loss {s['first_loss']:.3f} -> {s['last_loss']:.3f}; "
+            f"measured {s['mean_tokens_per_s']:,.0f} tokens/s")
+    if est.get("step_s"):
+        line += f" (estimated step {est['step_s']:.3g} s)"
+    print(f"{line}; details in {path}")
