@@ -51,9 +51,16 @@ def make_scheduler(optimizer, warmup_steps: int):
 
 
 def _check_ddp_kwargs(framework_config: dict) -> None:
-    unknown = sorted(set(framework_config) - set(DDP_KWARGS))
+    """Every key must be a keyword argument of the installed torch's DistributedDataParallel."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    allowed = set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module"}
+    unknown = sorted(set(framework_config) - allowed)
     if unknown:
-        raise ConfigError(f"framework_config keys {unknown} are not DDP arguments; use {', '.join(DDP_KWARGS)}")
+        raise ConfigError(f"framework_config keys {unknown} are not DistributedDataParallel arguments; "
+                          f"use {', '.join(DDP_KWARGS)}")
 
 
 class DDPBackend:

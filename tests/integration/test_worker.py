@@ -100,13 +100,10 @@ def assert_trained(run_dir: Path, result: subprocess.CompletedProcess, num_steps
     return records
 
 
+# fp32 runs of every strategy go through the launcher in test_launch_runs.py; these cover the
+# worker's mixed-precision paths directly.
 CASES = {
-    "ddp-fp32": dict(backend="ddp"),
     "ddp-bf16-mixed": dict(backend="ddp", precision="bf16-mixed"),
-    "zero0-fp32": dict(backend="deepspeed", framework_config=ds_config(0)),
-    "zero1-fp32": dict(backend="deepspeed", framework_config=ds_config(1)),
-    "zero2-fp32": dict(backend="deepspeed", framework_config=ds_config(2)),
-    "zero3-fp32": dict(backend="deepspeed", framework_config=ds_config(3)),
     "zero2-bf16": dict(backend="deepspeed", precision="bf16-mixed", framework_config=ds_config(2, bf16=True)),
 }
 _LOSSES: dict[str, list[float]] = {}
@@ -119,9 +116,6 @@ def test_trains_and_reports(case: str, tmp_path: Path) -> None:
     _LOSSES[case] = [r["loss"] for r in records]
     peaks = records[-1]["peak_allocated_bytes"]
     print(f"{case}: peak_allocated_bytes per rank {peaks}")
-    # DDP and ZeRO 0-3 compute the same fp32 update on the same batches: the loss curves agree
-    if case.endswith("fp32") and case != "ddp-fp32" and "ddp-fp32" in _LOSSES:
-        assert _LOSSES[case] == pytest.approx(_LOSSES["ddp-fp32"], abs=2e-2)
 
 
 def test_grad_accumulation_matches_larger_micro_batch(tmp_path: Path) -> None:
