@@ -70,6 +70,10 @@ class StepTrace:
     phases: dict[str, tuple[int, int]]  # 'build', 'forward', 'backward', 'optimizer', 'zero_grad':
     #                                     [start_event, end_event) half-open
     flops: dict[str, float] = field(default_factory=dict)  # 'forward', 'backward' FLOPs of this step
+    # Decoder-layer boundaries: 'forward' -> (first layer starts, last layer ends); 'backward' ->
+    # (last layer's backward starts, first layer's backward ends). They cut a phase into
+    # segments whose maxima are each linear in depth (`phase_segments`); empty if not recorded.
+    layer_bounds: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def live_curve(self, free: np.ndarray | None = None, mask: np.ndarray | None = None,
                    rounding: int = 1) -> np.ndarray:
@@ -88,6 +92,16 @@ class StepTrace:
     def phase_max(self, curve: np.ndarray, phase: str) -> int:
         a, b = self.phases[phase]
         return int(curve[a:b].max()) if b > a else 0
+
+    def phase_segments(self, phase: str) -> list[tuple[int, int]]:
+        """`phase` cut at its decoder-layer boundaries: before the layers, the layers, after them
+        (one segment without boundaries). A phase maximum can move from one segment to another
+        as depth grows (e.g. from the LM-head backward to the last layer's backward), so
+        extrapolate each segment's maximum, then take the largest (`TraceSet.phase_max`)."""
+        a, b = self.phases[phase]
+        cuts = [c for c in self.layer_bounds.get(phase, ()) if a < c < b]
+        edges = [a, *sorted(cuts), b]
+        return [(x, y) for x, y in zip(edges, edges[1:]) if y > x]
 
 
 def extrapolate(v1: float, v2: float, num_layers: int, depth1: int = 1, depth2: int = 2) -> float:
@@ -111,3 +125,15 @@ class TraceSet:
         """Apply `fn(trace) -> number` to both traces and extrapolate to full depth."""
         return extrapolate(fn(self.depth1), fn(self.depth2), self.num_layers,
                            self.depth1.num_layers, self.depth2.num_layers)
+
+    def phase_max(self, phase: str, curve=None) -> float:
+        """The maximum of `curve(trace)` (default: live bytes) over `phase` at full depth: the
+        largest of its segments' maxima, each extrapolated in depth (`phase_segments`)."""
+        curve = curve or (lambda t: t.live_curve())
+        c1, c2 = curve(self.depth1), curve(self.depth2)
+        s1, s2 = self.depth1.phase_segments(phase), self.depth2.phase_segments(phase)
+        if len(s1) != len(s2):  # boundaries missing in one trace: whole phase
+            s1, s2 = [self.depth1.phases[phase]], [self.depth2.phases[phase]]
+        return max((extrapolate(int(c1[a1:b1].max()), int(c2[a2:b2].max()), self.num_layers,
+                                self.depth1.num_layers, self.depth2.num_layers)
+                    for (a1, b1), (a2, b2) in zip(s1, s2)), default=0)

@@ -1,0 +1,516 @@
+"""Trace one real training step of a transformers model under fake tensors, as a `StepTrace`.
+
+The step (build, forward + loss, backward, optimizer step, zero_grad) runs the real
+transformers and torch.optim code under `torch._subclasses.fake_tensor.FakeTensorMode` on the
+CPU device, so no memory is allocated and no arithmetic is done. A `TorchDispatchMode` records
+every tensor storage that an op returns for the first time (allocation) and, through a weakref
+callback on the storage, when it dies (free), the way `MemTracker.__torch_dispatch__` and
+`_WeakRefInfo.create_winfo` do in torch/distributed/_tools/mem_tracker.py. FLOPs of matmuls and
+attention are counted in the same mode with torch's own formulas
+(`torch.utils.flop_counter.flop_registry`, what `FlopCounterMode` uses).
+
+Traces at two depths (`trace_set`) are cached on disk; `at_micro_batch` rebuilds the trace of
+any micro-batch size from the traces at two consecutive micro-batch sizes.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from unittest import mock
+from typing import Optional
+
+import numpy as np
+
+from launcher.steptrace import Kind, ParamTable, Role, StepTrace, TraceSet
+
+OPTIMIZERS = ("adamw_foreach", "adamw_single", "adamw_fused", "sgd", "none")
+PARAM_DTYPES = ("float32", "bfloat16", "float16")
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
+PHASES = ("build", "forward", "backward", "optimizer", "zero_grad")
+SGD_MOMENTUM = 0.9  # launcher/config.py: Optimizer 'sgd' = torch.optim.SGD (momentum 0.9)
+
+
+@dataclass(frozen=True)
+class TraceKey:
+    """Everything that determines a traced step. `hf_config_json` is the model's config.json as a
+    canonical JSON string (`canonical_config_json`); `num_layers` overrides its depth."""
+
+    hf_config_json: str
+    num_layers: int
+    micro_batch_size: int
+    seq_len: int
+    param_dtype: str = "float32"  # float32 | bfloat16 | float16: dtype the model is built in
+    autocast_dtype: Optional[str] = None  # None | bfloat16 | float16: autocast on forward+loss
+    attn_implementation: str = "sdpa"  # eager | sdpa | flash_attention_2 (traced as sdpa)
+    gradient_checkpointing: bool = False
+    optimizer: str = "adamw_foreach"  # adamw_foreach | adamw_single | adamw_fused | sgd | none
+    trainable: str = "all"  # 'all' parameters train (adapters: later)
+
+    def __post_init__(self):
+        _check(self.param_dtype, PARAM_DTYPES, "param_dtype")
+        _check(self.autocast_dtype, (None, "bfloat16", "float16"), "autocast_dtype")
+        _check(self.attn_implementation, ATTN_IMPLEMENTATIONS, "attn_implementation")
+        _check(self.optimizer, OPTIMIZERS, "optimizer")
+        _check(self.trainable, ("all",), "trainable")
+
+
+def _check(value, allowed, name):
+    if value not in allowed:
+        raise ValueError(f"TraceKey.{name}={value!r}; expected one of {allowed}")
+
+
+def canonical_config_json(config) -> str:
+    """config.json values (a dict or a transformers PretrainedConfig) as sorted, compact JSON."""
+    d = config if isinstance(config, dict) else config.to_dict()
+    return json.dumps(d, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def trace_notes(key: TraceKey) -> tuple[str, ...]:
+    """What the trace did differently from the GPU run it stands for."""
+    notes = []
+    if key.attn_implementation == "flash_attention_2":
+        notes.append("flash_attention_2 traced as sdpa: on CPU sdpa runs the flash-attention "
+                     "kernel (_scaled_dot_product_flash_attention_for_cpu), which like FA2 saves "
+                     "only the output and logsumexp, never the seq x seq scores")
+    if key.optimizer.startswith("adamw") and key.optimizer != "adamw_fused":
+        notes.append("AdamW 'step' tensors (4 B per parameter) are traced on the device; on "
+                     "GPU the non-fused AdamW keeps them on the host")
+    return tuple(notes)
+
+
+# ----------------------------------------------------------------------------- recording
+
+class _Recorder:
+    """Storage rows and the event counter. Rows are appended on allocation; a weakref callback on
+    each storage writes its free event (mem_tracker.py `_WeakRefInfo.create_winfo`)."""
+
+    def __init__(self):
+        self.nbytes: list[int] = []
+        self.alloc: list[int] = []
+        self.free: list[int] = []
+        self.num_events = 0
+        self.row_of: dict[int, int] = {}  # id(storage) -> row, while alive
+        self.refs: dict[int, weakref.ref] = {}
+        self.flops = 0.0
+
+    def see(self, storage) -> None:
+        sid = id(storage)
+        if sid in self.row_of:
+            return
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            return
+        row = len(self.nbytes)
+        self.nbytes.append(nbytes)
+        self.alloc.append(self.num_events)
+        self.free.append(-1)
+        self.num_events += 1
+        self.row_of[sid] = row
+        self.refs[sid] = weakref.ref(storage, lambda _r, sid=sid, row=row: self._freed(sid, row))
+
+    def _freed(self, sid: int, row: int) -> None:
+        self.free[row] = self.num_events
+        self.num_events += 1
+        del self.row_of[sid], self.refs[sid]
+
+    def row(self, tensor, create: bool = True) -> int:
+        """The row of `tensor`'s storage; a storage first seen here is allocated now."""
+        st = tensor.untyped_storage()
+        if create:
+            self.see(st)
+        return self.row_of[id(st)]
+
+
+def _dispatch_mode(recorder: _Recorder):
+    """A TorchDispatchMode that reports every output storage to `recorder` and counts FLOPs."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+    from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
+
+    aten = torch.ops.aten
+    formulas = dict(flop_registry)
+    # torch's registry lacks the CPU flash-attention kernels; their FLOPs are those of sdpa.
+    formulas[aten._scaled_dot_product_flash_attention_for_cpu] = sdpa_flop
+    formulas[aten._scaled_dot_product_flash_attention_for_cpu_backward] = sdpa_backward_flop
+    see, Tensor = recorder.see, torch.Tensor
+
+    class _Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            formula = formulas.get(func._overloadpacket)
+            if formula is not None:
+                recorder.flops += formula(*args, **(kwargs or {}), out_val=out)
+            if isinstance(out, Tensor):
+                see(out.untyped_storage())
+            else:
+                for t in tree_leaves(out):
+                    if isinstance(t, Tensor):
+                        see(t.untyped_storage())
+            return out
+
+    return _Mode()
+
+
+# ----------------------------------------------------------------------------- the step
+
+def build_config(key: TraceKey):
+    """The transformers config of `key` at depth `key.num_layers`. Setting `num_hidden_layers`
+    goes through the config's `attribute_map` (gpt2/bloom `n_layer`, opt `num_hidden_layers`)."""
+    from transformers import AutoConfig
+
+    values = json.loads(key.hf_config_json)
+    cfg = AutoConfig.for_model(**values)
+    cfg.num_hidden_layers = key.num_layers
+    if isinstance(getattr(cfg, "layer_types", None), list):  # per-layer lists follow the depth
+        cfg.layer_types = cfg.layer_types[: key.num_layers]
+    cfg.use_cache = False
+    return cfg
+
+
+def _make_optimizer(key: TraceKey, params):
+    import torch
+
+    if key.optimizer == "sgd":  # foreach: the default for CUDA tensors (optimizer.py)
+        return torch.optim.SGD(params, lr=1e-3, momentum=SGD_MOMENTUM, foreach=True)
+    return torch.optim.AdamW(params, lr=1e-3, foreach=key.optimizer == "adamw_foreach",
+                             fused=key.optimizer == "adamw_fused" or None)
+
+
+def _run_step(key: TraceKey, rec: _Recorder, marks: dict, grads: dict):
+    """Build the model and run one step; fills `marks` (phase -> first event) and
+    `grads` (id(param) -> (ready event, grad row)). Returns (model, optimizer)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, key.param_dtype)
+    marks["build"] = rec.num_events
+    model = AutoModelForCausalLM.from_config(
+        build_config(key), dtype=dtype, attn_implementation=_traced_attn(key))
+    model.train()
+    if key.gradient_checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x
+        (enable or model.gradient_checkpointing_enable)()
+    _watch_layers(model, key.num_layers, rec, marks)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable:
+        p.register_post_accumulate_grad_hook(
+            lambda p: grads.__setitem__(id(p), (rec.num_events, rec.row(p.grad))))
+    opt = _make_optimizer(key, trainable) if key.optimizer != "none" else None
+    ids = torch.randint(0, model.config.vocab_size, (key.micro_batch_size, key.seq_len))
+    marks["forward"], flops0 = rec.num_events, rec.flops
+    with torch.autocast("cpu", dtype=getattr(torch, key.autocast_dtype or "float32"),
+                        enabled=key.autocast_dtype is not None):
+        loss = model(input_ids=ids, labels=ids).loss
+    marks["backward"], flops1 = rec.num_events, rec.flops
+    loss.backward()
+    del loss
+    marks["optimizer"] = rec.num_events
+    marks["flops"] = {"forward": flops1 - flops0, "backward": rec.flops - flops1}
+    if opt is not None:
+        opt.step()
+    marks["zero_grad"] = rec.num_events
+    (opt or model).zero_grad(set_to_none=True)
+    marks["end"] = rec.num_events
+    marks["inputs"] = rec.row(ids)
+    return model, opt
+
+
+def _watch_layers(model, num_layers: int, rec: _Recorder, marks: dict) -> None:
+    """Record in `marks` the events where the decoder layers' forward starts ('fwd0') and ends
+    ('fwd1'), and where their backward starts ('bwd0': the gradient of the last layer's output
+    is computed) and ends ('bwd1': the gradient of the first layer's input). Only the first
+    forward counts (checkpointing runs the layers again in backward)."""
+    import torch
+
+    layers = next((m for m in model.modules()
+                   if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers), None)
+    if layers is None:
+        return
+
+    def mark(name):
+        def hook(*_):
+            marks.setdefault(name, rec.num_events)  # returns None: the gradient is unchanged
+        return hook
+
+    def watch(tensors, fwd: str, bwd: str):
+        if fwd in marks:
+            return
+        marks[fwd] = rec.num_events
+        x = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+        if x is not None and x.requires_grad:
+            x.register_hook(mark(bwd))
+
+    layers[0].register_forward_pre_hook(
+        lambda m, args, kwargs: watch([*args, kwargs.get("hidden_states")], "fwd0", "bwd1"),
+        with_kwargs=True)
+    layers[-1].register_forward_hook(
+        lambda m, args, out: watch(torch.utils._pytree.tree_leaves(out), "fwd1", "bwd0"))
+
+
+@contextlib.contextmanager
+def _unpacked_sequences():
+    """Answer transformers' packed-sequence check the way a real run on our inputs does.
+
+    Without an attention mask, `masking_utils._preprocess_mask_arguments` asks
+    `find_packed_sequence_indices(position_ids)` whether several sequences are packed in a row;
+    on real tensors it evaluates `(mask[:, -1] == 0).all()` and returns None for ordinary
+    position ids, so SDPA runs with `is_causal=True` and no mask. On fake tensors it cannot read
+    the values and returns the mask, which makes SDPA materialize a seq x seq mask and leave the
+    flash kernel (+5% to +22% peak on small models). Our position ids are never packed."""
+    from transformers import masking_utils
+
+    if not hasattr(masking_utils, "find_packed_sequence_indices"):
+        yield
+        return
+    with mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda _ids: None):
+        yield
+
+
+def _traced_attn(key: TraceKey) -> str:
+    return "sdpa" if key.attn_implementation == "flash_attention_2" else key.attn_implementation
+
+
+_LAYER_RE = re.compile(r"\.(\d+)\.")
+
+
+def _param_table(model, rec: _Recorder) -> tuple[ParamTable, list]:
+    """Parameters in `named_parameters(remove_duplicate=False)` order (a tied weight appears under
+    each name; the later names point at the first with `tied_to`), and their storage rows."""
+    import torch
+
+    named = list(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules(remove_duplicate=False))
+    out_emb = model.get_output_embeddings()
+    first_of: dict[int, int] = {}
+    names, numel, esize, trainable, role, layer, tied, rows = [], [], [], [], [], [], [], []
+    for i, (name, p) in enumerate(named):
+        sid = id(p.untyped_storage())
+        tied.append(first_of.setdefault(sid, i) if sid in first_of else -1)
+        first_of.setdefault(sid, i)
+        owner = modules[name.rpartition(".")[0]]
+        m = _LAYER_RE.search(name)
+        names.append(name), numel.append(p.numel()), esize.append(p.element_size())
+        trainable.append(p.requires_grad), layer.append(int(m.group(1)) if m else -1)
+        role.append(_role(name, owner, m is not None, owner is out_emb, torch))
+        rows.append(rec.row(p, create=False))
+    table = ParamTable(tuple(names), np.array(numel, np.int64), np.array(esize, np.int64),
+                       np.array(trainable, bool), np.array(role, np.int8),
+                       np.array(layer, np.int64), np.array(tied, np.int64))
+    return table, rows
+
+
+def _role(name: str, owner, in_layer: bool, is_lm_head: bool, torch) -> Role:
+    """EMBEDDING: token/position embeddings and norms named after them (bloom
+    `word_embeddings_layernorm`); LAYER: inside decoder layer N (first `.N.` in the name);
+    HEAD: the output embedding and the final norm; OTHER: the rest (e.g. opt project_in/out)."""
+    if in_layer:
+        return Role.LAYER
+    if is_lm_head:
+        return Role.HEAD
+    if isinstance(owner, torch.nn.Embedding) or "embed" in name:
+        return Role.EMBEDDING
+    if "norm" in type(owner).__name__.lower() or "ln_f" in name:
+        return Role.HEAD
+    return Role.OTHER
+
+
+def _canonical_free_order(free: np.ndarray, num_events: int, boundaries) -> np.ndarray:
+    """Within each run of consecutive free events, free rows in row order. The order inside such a
+    run changes no peak, but some of it is hash order (autocast's cast cache is cleared at exit),
+    so without this two traces of the same step could differ. Runs are cut at `boundaries`
+    (phase starts, grad-ready events), so no free moves across them."""
+    is_free = np.zeros(num_events + 1, bool)
+    is_free[free[free < num_events]] = True
+    cut = ~is_free
+    cut[np.asarray(list(boundaries), np.int64)] = True
+    run_of_event = np.cumsum(cut)
+    freed = np.nonzero(free < num_events)[0]
+    rows = freed[np.lexsort((freed, run_of_event[free[freed]]))]
+    out = free.copy()
+    out[rows] = np.sort(free[freed])
+    return out
+
+
+def trace_step(key: TraceKey) -> StepTrace:
+    """Trace one training step of `key` under fake tensors on the CPU device."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    rec, marks, grads = _Recorder(), {}, {}
+    with _unpacked_sequences(), FakeTensorMode(allow_non_fake_inputs=True), _dispatch_mode(rec):
+        model, opt = _run_step(key, rec, marks, grads)
+        n, num_events = len(rec.nbytes), marks["end"]  # later frees and rows are not the step's
+        params, param_rows = _param_table(model, rec)
+        kind, ready, param = _classify(model, opt, rec, n, params, param_rows, grads)
+        kind[marks["inputs"]] = Kind.BUFFER
+        free = np.array(rec.free[:n], np.int64)
+    free[(free < 0) | (free > num_events)] = num_events
+    phases = {ph: (marks[ph], marks[nxt]) for ph, nxt in zip(PHASES, PHASES[1:] + ("end",))}
+    bounds = {ph: (marks[a], marks[b]) for ph, a, b in
+              (("forward", "fwd0", "fwd1"), ("backward", "bwd0", "bwd1")) if a in marks and b in marks}
+    cuts = ([a for a, _ in phases.values()] + [num_events] + list(ready[ready >= 0])
+            + [e for ab in bounds.values() for e in ab])
+    return StepTrace(num_layers=key.num_layers, micro_batch_size=key.micro_batch_size,
+                     seq_len=key.seq_len, params=params, nbytes=np.array(rec.nbytes[:n], np.int64),
+                     alloc=np.array(rec.alloc[:n], np.int64),
+                     free=_canonical_free_order(free, num_events, cuts), kind=kind, ready=ready,
+                     param=param, num_events=num_events, phases=phases, flops=marks["flops"],
+                     layer_bounds=bounds)
+
+
+def _classify(model, opt, rec: _Recorder, n: int, params: ParamTable, param_rows, grads):
+    """Kind, ready event and parameter index of each of the `n` rows: PARAM for parameter
+    storages, GRAD for the storage each .grad had when its post-accumulate hook ran, OPTIM for
+    optimizer.state tensors, BUFFER for module buffers; ACT for the rest."""
+    import torch
+
+    kind = np.full(n, Kind.ACT, np.int8)
+    ready, param = np.full(n, -1, np.int64), np.full(n, -1, np.int64)
+    index_of: dict[int, int] = {}
+    for i, (_, p) in enumerate(model.named_parameters(remove_duplicate=False)):
+        index_of.setdefault(id(p), i)
+        if params.tied_to[i] < 0:
+            kind[param_rows[i]], param[param_rows[i]] = Kind.PARAM, i
+    for pid, (event, row) in grads.items():
+        kind[row], ready[row], param[row] = Kind.GRAD, event, index_of[pid]
+    for p, state in (opt.state.items() if opt is not None else ()):
+        for t in state.values():
+            if isinstance(t, torch.Tensor):
+                row = rec.row(t, create=False)
+                kind[row], param[row] = Kind.OPTIM, index_of[id(p)]
+    for b in model.buffers():
+        kind[rec.row(b, create=False)] = Kind.BUFFER
+    return kind, ready, param
+
+
+# ----------------------------------------------------------------------------- micro-batch
+
+EXTRAPOLATION_DEPTHS = (2, 3)  # see trace_set
+BATCH_BASIS = (2, 3)  # micro-batch 1 takes other paths (views instead of copies) than 2 and up
+
+
+def at_micro_batch(ta: StepTrace, tb: StepTrace, micro_batch_size: int) -> StepTrace:
+    """The trace at `micro_batch_size` from the traces `ta`, `tb` at two consecutive micro-batch
+    sizes m, m+1 of the same step (`BATCH_BASIS`).
+
+    Valid when both traces have the same events (same rows allocated and freed in the same order),
+    i.e. no op takes a batch-size-dependent path; then every storage's size is affine in the batch
+    size (activations, logits and inputs grow with it, parameters and optimizer state do not), and
+    so is the live curve, event by event. Raises ValueError otherwise."""
+    same = (ta.num_events == tb.num_events and ta.phases == tb.phases
+            and ta.layer_bounds == tb.layer_bounds
+            and len(ta.nbytes) == len(tb.nbytes) and all(
+                np.array_equal(getattr(ta, f), getattr(tb, f))
+                for f in ("alloc", "free", "kind", "ready", "param")))
+    if not same or tb.micro_batch_size != ta.micro_batch_size + 1:
+        raise ValueError("the two traces differ in their events or are not at m and m+1")
+    k = micro_batch_size - ta.micro_batch_size
+    flops = {f: ta.flops[f] + k * (tb.flops[f] - ta.flops[f]) for f in ta.flops}
+    return dataclasses.replace(ta, micro_batch_size=micro_batch_size, flops=flops,
+                               nbytes=ta.nbytes + k * (tb.nbytes - ta.nbytes))
+
+
+# ----------------------------------------------------------------------------- cache
+
+DEFAULT_CACHE_DIR = Path("~/.cache/launcher/traces").expanduser()
+_FORMAT_VERSION = 2  # bump when the trace's content or file layout changes
+_MEMO: dict[str, StepTrace] = {}
+_ROW_FIELDS = ("nbytes", "alloc", "free", "kind", "ready", "param")
+_PARAM_FIELDS = ("numel", "element_size", "trainable", "role", "layer", "tied_to")
+
+
+def cache_key(key: TraceKey) -> str:
+    """Hash of the key and of what shapes the trace: torch and transformers versions."""
+    import torch
+    import transformers
+
+    blob = json.dumps([dataclasses.asdict(key), torch.__version__, transformers.__version__,
+                       _FORMAT_VERSION], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def _save(trace: StepTrace, path: Path) -> None:
+    meta = {"num_layers": trace.num_layers, "micro_batch_size": trace.micro_batch_size,
+            "seq_len": trace.seq_len, "num_events": trace.num_events, "phases": trace.phases,
+            "flops": trace.flops, "names": trace.params.names, "layer_bounds": trace.layer_bounds}
+    arrays = {f: getattr(trace, f) for f in _ROW_FIELDS}
+    arrays.update({"p_" + f: getattr(trace.params, f) for f in _PARAM_FIELDS})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as fh:
+        np.savez(fh, meta=np.array(json.dumps(meta)), **arrays)
+    os.replace(tmp, path)
+
+
+def _load(path: Path) -> StepTrace:
+    with np.load(path, allow_pickle=False) as z:
+        meta = json.loads(str(z["meta"]))
+        params = ParamTable(tuple(meta["names"]), **{f: z["p_" + f] for f in _PARAM_FIELDS})
+        rows = {f: z[f] for f in _ROW_FIELDS}
+    phases = {k: tuple(v) for k, v in meta["phases"].items()}
+    return StepTrace(num_layers=meta["num_layers"], micro_batch_size=meta["micro_batch_size"],
+                     seq_len=meta["seq_len"], params=params, num_events=meta["num_events"],
+                     phases=phases, flops=meta["flops"], **rows,
+                     layer_bounds={k: tuple(v) for k, v in meta["layer_bounds"].items()})
+
+
+def cached_trace(key: TraceKey, cache_dir: Optional[Path] = None) -> StepTrace:
+    """`trace_step(key)`, memoized in-process and on disk under `cache_dir` (default
+    ~/.cache/launcher/traces). An unreadable cache file is traced again and rewritten."""
+    h = cache_key(key)
+    if h in _MEMO:
+        return _MEMO[h]
+    path = Path(cache_dir or DEFAULT_CACHE_DIR) / f"{h}.npz"
+    trace = None
+    if path.exists():
+        try:
+            trace = _load(path)
+        except Exception:  # a torn or foreign file: trace again
+            trace = None
+    if trace is None:
+        trace = trace_step(key)
+        _save(trace, path)
+    _MEMO[h] = trace
+    return trace
+
+
+def trace_set(key: TraceKey, num_layers: Optional[int] = None, cache_dir: Optional[Path] = None,
+              scale_batch: bool = True) -> TraceSet:
+    """Traces of `key` at two consecutive depths (its own `num_layers` is ignored), to extrapolate
+    to `num_layers` (default: the config's depth): depths 2 and 3, or 1 and 2 for shallower
+    models. At depth 1 the only layer is also the first, whose forward has no previous layer's
+    outputs alive (bloom with gradient checkpointing keeps the previous layer's attention
+    probabilities until the next layer returns), so depth 1 and 2 do not differ by one layer.
+    With `scale_batch`, a micro-batch above 3 is rebuilt from traces at micro-batch 2 and 3
+    (`at_micro_batch`), so a search over micro-batch sizes costs at most six traces."""
+    if num_layers is None:
+        num_layers = config_num_layers(key.hf_config_json)
+    depths = EXTRAPOLATION_DEPTHS if num_layers >= EXTRAPOLATION_DEPTHS[1] else (1, 2)
+    return TraceSet(*(_trace_at(key, d, cache_dir, scale_batch) for d in depths), num_layers)
+
+
+def config_num_layers(hf_config_json: str) -> int:
+    """`num_hidden_layers` of a config.json (through the config class's attribute_map)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(**json.loads(hf_config_json)).num_hidden_layers
+
+
+def _trace_at(key: TraceKey, depth: int, cache_dir, scale_batch: bool) -> StepTrace:
+    key = dataclasses.replace(key, num_layers=depth)
+    b = key.micro_batch_size
+    if scale_batch and b > BATCH_BASIS[1]:
+        ta, tb = (cached_trace(dataclasses.replace(key, micro_batch_size=m), cache_dir)
+                  for m in BATCH_BASIS)
+        try:
+            return at_micro_batch(ta, tb, b)
+        except ValueError:
+            pass
+    return cached_trace(key, cache_dir)
