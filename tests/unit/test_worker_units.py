@@ -257,7 +257,7 @@ def test_unsupported_backend_and_bad_framework_config() -> None:
 
     with pytest.raises(ConfigError, match="backend='colossalai' is not supported by the worker yet"):
         check_backend(_spec(backend="colossalai", optimizer="adamw_torch"), 2)
-    with pytest.raises(ConfigError, match=r"\['bucket_size'\] are not DDP arguments"):
+    with pytest.raises(ConfigError, match=r"\['bucket_size'\] are not DistributedDataParallel arguments"):
         check_backend(_spec(backend="ddp", optimizer="adamw_torch", framework_config={"bucket_size": 1}), 2)
     with pytest.raises(ConfigError, match="optimizer='adafactor'"):
         check_backend(_spec(backend="ddp", optimizer="adafactor"), 2)
