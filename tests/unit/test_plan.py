@@ -1,0 +1,81 @@
+"""The plan as a user reads it: JSON contract, ranking, the chosen candidate, what fits."""
+import json
+
+import pytest
+
+from launcher import planner, report
+from launcher.app import model_spec
+from launcher.cli import compose
+from launcher.hardware import cluster_from
+
+
+def make_plan(tmp_path, *overrides):
+    config = compose(["model=tiny-llama", "hardware=a100-80g", "training.seq_len=128", f"cache_dir={tmp_path}",
+                      *overrides])
+    spec = model_spec(config)
+    cluster = cluster_from(config.hardware, config.gpus, config.nodes)
+    return planner.plan(config, spec, cluster), cluster
+
+
+def test_json_contract(tmp_path):
+    plan, cluster = make_plan(tmp_path, "gpus=2", "training.seq_len=128")
+    d = json.loads(json.dumps(report.plan_to_dict(plan, cluster.memory_bytes)))
+    assert {"model", "hardware", "gpus", "nodes", "candidates", "chosen"} <= set(d)
+    assert d["model"]["num_params"] > 0 and d["gpus"] == 2 and d["nodes"] == 1
+    assert isinstance(d["chosen"], int)
+    for c in d["candidates"]:
+        assert {"strategy", "backend", "micro_batch_size", "grad_accum_steps", "fits", "reason", "memory",
+                "speed"} <= set(c)
+        m = c["memory"]
+        assert {"peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes", "capacity_bytes",
+                "host_bytes", "breakdown"} <= set(m)
+        assert set(m["breakdown"]) == {"parameters", "gradients", "optimizer_states", "activations",
+                                       "buffers", "runtime"}
+        # the three views are ordered: allocated <= reserved <= device total
+        assert m["peak_allocated_bytes"] <= m["peak_reserved_bytes"] <= m["device_total_bytes"]
+        assert m["capacity_bytes"] == cluster.memory_bytes
+        assert {"step_s", "tokens_per_s"} <= set(c["speed"]) and c["speed"]["step_s"] > 0
+
+
+def test_chosen_is_the_fastest_that_fits(tmp_path):
+    plan, _ = make_plan(tmp_path, "gpus=4", "training.seq_len=256")
+    best = plan.candidates[plan.chosen]
+    assert best.fits
+    assert all(c.speed.tokens_per_s <= best.speed.tokens_per_s for c in plan.candidates if c.fits)
+    assert {c.strategy.name for c in plan.candidates} >= {"ddp", "zero1", "zero2", "zero3"}
+    for c in plan.candidates:
+        if c is not best:
+            assert c.reason.startswith("OOM") or "slower" in c.reason, c.reason
+
+
+def test_exact_configuration_when_strategy_and_micro_batch_given(tmp_path):
+    plan, _ = make_plan(tmp_path, "gpus=2", "strategy=zero2", "training.micro_batch_size=3",
+                        "training.global_batch_size=12")
+    (c,) = plan.candidates
+    assert (c.strategy.name, c.micro_batch_size, c.grad_accum_steps) == ("zero2", 3, 2)
+
+
+def test_nothing_fits_says_what_would(tmp_path):
+    plan, _ = make_plan(tmp_path, "gpus=2", "hardware.memory_bytes=1000000")
+    assert plan.chosen is None and not any(c.fits for c in plan.candidates)
+    assert any("nothing fits" in n and "gpus=4" in n for n in plan.notes)
+    assert all(c.reason.startswith("OOM") for c in plan.candidates)
+
+
+def test_more_gpus_never_need_more_memory_per_gpu_under_zero3(tmp_path):
+    peaks = []
+    for gpus in (2, 4, 8):
+        plan, _ = make_plan(tmp_path, f"gpus={gpus}", "strategy=zero3", "training.micro_batch_size=1")
+        peaks.append(plan.candidates[0].memory.peak_allocated_bytes)
+    assert peaks[0] >= peaks[1] >= peaks[2]
+
+
+@pytest.mark.parametrize("model,published", [("bloom-1b1", 1_065_314_304), ("llama-2-7b", 6_738_415_616)])
+def test_cli_json_plan_counts_the_published_parameters(cli, model, published):
+    """The parameter count is extrapolated from the shallow traced models; the published count
+    comes from the model card."""
+    r = cli(f"model={model}", "gpus=4", "report=json", "strategy=zero3", "training.micro_batch_size=1")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["model"]["num_params"] == published
+    assert (cli.cwd / "runs").exists() and len(list((cli.cwd / "runs").glob("*/*/plan.json"))) == 1
