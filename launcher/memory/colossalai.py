@@ -1,0 +1,306 @@
+"""ColossalAI 0.5.0 plugins on one rank. Paths below are under colossalai/ in the installed package.
+
+- cai_ddp (booster/plugin/torch_ddp_plugin.py): torch DDP with the emitted kwargs -> ddp.py.
+- cai_zero1/2 (low_level_zero_plugin.py + zero/low_level/low_level_optim.py): `lowlevel_zero_layout`.
+- cai_tp (hybrid_parallel_plugin.py): the tensor-parallel shard model is traced (trace.py
+  `tp_shard_config`); ZeRO 1/2 on the DP group is `lowlevel_zero_layout`, stage 0 is
+  `hybrid_stage0_layout`; TP buffers are added in `tp_extra_bytes`.
+- cai_pp: per stage from the traced step (`pipeline_stage_bytes`).
+- cai_gemini (gemini_plugin.py): chunk layout from gemini.py plus the traced activations.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from launcher.steptrace import Kind, Role, StepTrace
+
+from .common import (Layout, grad_ready_order, optimizer_state_numel_factor, optimizer_step_scalar_bytes,
+                     optimizer_step_temp_numel, trainable_params)
+
+PLUGIN_DTYPE = {"32-true": "float32", "bf16-mixed": "bfloat16", "16-mixed": "float16"}
+MEGA = 1024**2
+
+
+@dataclass(frozen=True)
+class ZeroSetup:
+    """LowLevelZeroOptimizer settings (low_level_optim.py `__init__`)."""
+
+    stage: int  # 1 or 2 (partition_grad)
+    model_bytes: int  # working parameter element size (plugin precision)
+    dp: int
+    bucket_numel: int  # reduce_bucket_size (LowLevelZeroPlugin: reduce_bucket_size_in_m * 2**20)
+    overlap: bool  # overlap_communication (reduction hooks even at stage 1)
+    optimizer: str
+
+
+def padded(numel: int, dp: int) -> int:
+    """`_create_master_param_current_rank`: each parameter is padded to a multiple of dp."""
+    return numel + (-numel % dp)
+
+
+def buckets(order: list[tuple[int, int]], bucket_numel: int, dp: int) -> list[tuple[int, list[int]]]:
+    """(index in `order` where the bucket is flushed or len(order) at the epilogue, padded numels of
+    its parameters): `_add_to_bucket` flushes when `elements + param.numel() > reduce_bucket_size`
+    (elements count the padding: bucket_store.py `add_param_grad`)."""
+    out, elements, current = [], 0, []
+    for k, (_, n) in enumerate(order):
+        if current and elements + n > bucket_numel:
+            out.append((k, current))
+            elements, current = 0, []
+        current.append(padded(n, dp))
+        elements += padded(n, dp)
+    return out + [(len(order), current)] if current else out
+
+
+def lowlevel_zero_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
+    """Stage 1/2 storages (low_level_optim.py):
+    - working parameters: padded copies when numel % dp != 0 (`F.pad`, param.data = a view);
+    - fp32 master partitions: `splited_params.detach().clone().float()` (padded numel / dp each);
+    - torch AdamW states on the master partitions (steady state) and its step temporaries;
+    - gradients: autograd's full gradients until their bucket is reduced (`_run_reduction`:
+      `get_flatten_grad` makes one flat copy of the bucket; stage 1 keeps it whole
+      (`_update_unpartitoned_grad`, every rank's slice in the gradient store), stage 2
+      reduce-scatters into a new 1/dp tensor (`received_grad`) and keeps only that); stage 1
+      without overlap reduces after backward in parameter order (`_sync_grad`), otherwise in
+      the post-accumulate-grad hooks in ready order. The store is dropped at `zero_grad`.
+    - step: 16-bit gradients cast to fp32 per partition (`grad.to(master dtype)`; a no-op at fp32),
+      `grad.double().norm()` per partition, AdamW, then the updated partitions are cast back and
+      all-gathered through a `TensorBucket` (tensor_bucket.py `all_gather`: flat of the partitions,
+      a dp x flat buffer, one rebuilt tensor per parameter, two alive at a time)."""
+    p, e, dp = trace.params, z.model_bytes, z.dp
+    idx = trainable_params(trace)
+    numels = [int(p.numel[i]) for i in idx]
+    pads = [padded(n, dp) for n in numels]
+    parts = [n // dp for n in pads]
+    total_part = sum(parts)
+    layout = Layout.of(trace, reduce_events=2, step_events=4)
+    layout.hoist_persistent(Kind.OPTIM)
+    extra_pad = sum(a - b for a, b in zip(pads, numels))
+    layout.add("working_param_padding", "parameters", e * extra_pad)
+    layout.add("fp32_master_partitions", "optimizer_states", 4 * total_part)
+    k = optimizer_state_numel_factor(z.optimizer)
+    layout.add("optimizer_states", "optimizer_states",
+               4 * k * total_part + optimizer_step_scalar_bytes(z.optimizer, len(parts)))
+    r0, r1 = layout.reduce_ev(0), layout.reduce_ev(1)
+    s0, s1, s2, s3 = (layout.step_ev(j) for j in range(4))
+    end = layout.num_events
+    keep = (lambda b: b) if z.stage == 1 else (lambda b: b // dp)
+    g = layout.rows(Kind.GRAD)
+    hooks = z.stage == 2 or z.overlap
+    if hooks:
+        order = [(i, int(p.numel[i])) for i, _ in grad_ready_order(trace)]
+        events = [ev for _, ev in grad_ready_order(trace)]
+        param_row = {int(trace.param[r]): r for r in g.nonzero()[0]}
+        for flush_k, sizes in buckets(order, z.bucket_numel, dp):
+            at = int(layout.ev(events[flush_k])) if flush_k < len(order) else r0
+            start = flush_k - len(sizes)
+            for i, _ in order[start:flush_k]:
+                if i in param_row:
+                    layout.free[param_row[i]] = at
+            flat = e * sum(sizes)
+            layout.add("reduce_flat", "gradients", flat + (flat // dp if z.stage == 2 else 0), at, at + 1)
+            layout.add("reduced_grads", "gradients", keep(flat), at, end)
+    else:
+        order = [(i, int(p.numel[i])) for i in idx]
+        layout.free[g] = r1
+        largest = max((e * sum(s) for _, s in buckets(order, z.bucket_numel, dp)), default=0)
+        layout.add("reduce_flat", "gradients", largest, r0, r1)
+        layout.add("reduced_grads", "gradients", e * sum(pads), r1, end)
+    if e != 4:
+        layout.add("fp32_grad_partitions", "gradients", 4 * total_part, s0, s2)
+    layout.add("grad_norm_double", "gradients", 8 * max(parts, default=0), s0, s1)
+    layout.add("optimizer_step_temporaries", "optimizer_states",
+               4 * optimizer_step_temp_numel(z.optimizer, parts), s1, s2)
+    gather = min(total_part, z.bucket_numel)
+    biggest = sorted(pads, reverse=True)[:2]
+    layout.add("allgather_partitions", "parameters", (e * total_part if e != 4 else 0), s2, s3)
+    layout.add("allgather_buffers", "parameters", e * (gather + dp * gather + sum(biggest)), s2, s3)
+    return layout
+
+
+def hybrid_stage0_layout(trace: StepTrace, z: ZeroSetup, ddp_bucket_bytes: list[int]) -> Layout:
+    """HybridParallelPlugin zero_stage 0 on the traced shard (hybrid_parallel_plugin.py): fp32 ->
+    `HybridParallelNaiveOptimizer` stepping the torch optimizer on the shard's own parameters;
+    16-bit -> `HybridParallelAMPOptimizer` (amp/naive_amp/mixed_precision_optimizer.py: an fp32
+    master copy per parameter, gradients cast to fp32 in `step`). DP > 1 wraps the shard in torch
+    DDP: its gradient buckets (`ddp_bucket_bytes`, ddp.py; plugin default gradient_as_bucket_view
+    as emitted) are added as a second copy of the gradients."""
+    layout = Layout.of(trace, reduce_events=0, step_events=2)
+    idx = trainable_params(trace)
+    numels = [int(trace.params.numel[i]) for i in idx]
+    total = sum(numels)
+    for j, nbytes in enumerate(ddp_bucket_bytes):
+        layout.add(f"ddp_bucket_{j}", "buffers", nbytes)
+    k = optimizer_state_numel_factor(z.optimizer)
+    layout.add("optimizer_states", "optimizer_states",
+               4 * k * total + optimizer_step_scalar_bytes(z.optimizer, len(numels)))
+    s0, s1, s2 = layout.step_ev(0), layout.step_ev(1), layout.step_ev(2)
+    layout.free[layout.rows(Kind.GRAD)] = s2 if z.model_bytes == 4 else s1
+    if z.model_bytes != 4:
+        layout.add("fp32_master", "optimizer_states", 4 * total)
+        layout.add("fp32_grads", "gradients", 4 * total, s0, s2)
+    layout.add("optimizer_step_temporaries", "optimizer_states",
+               4 * optimizer_step_temp_numel(z.optimizer, numels), s1, s2)
+    return layout
+
+
+def tp_extra_bytes(tokens: int, tp_size: int, model_bytes: int, parallel_output: bool,
+                   padded_vocab: int) -> int:
+    """Bytes a TP rank holds beyond its traced shard model at the forward peak (independent of
+    depth): `VocabParallelEmbedding1D.forward` (shardformer/layer/embedding.py) keeps an input
+    mask (bool) and a masked copy of the token ids (int64) of the micro-batch; without
+    `parallel_output`, `VocabParallelLMHead1D` all-gathers the logits over the vocabulary
+    (`gather_forward_split_backward`: the other ranks' (tp-1)/tp of b x s x V). The row-parallel
+    all-reduces (`reduce_forward`) and the column-parallel backward all-reduces run in place on
+    tensors the shard model already allocates (Megatron-LM, arXiv:1909.08053 sec. 3: the f and g
+    operators)."""
+    if tp_size <= 1:
+        return 0
+    out = tokens * (1 + 8)
+    if not parallel_output:
+        out += model_bytes * tokens * padded_vocab * (tp_size - 1) // tp_size
+    return out
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+def trace_request(strategy, workload) -> dict:
+    """TraceKey fields: cai_ddp runs the model as torch DDP does (ddp backend); the other plugins
+    cast the model to their precision themselves (LowLevelZeroModel / GeminiDDP /
+    HybridParallelModule: `module.to(dtype)`), run it without autocast, and their optimizer
+    memory is modelled here, so no optimizer is traced; cai_tp / cai_pp with tp_size > 1 trace the
+    tensor-parallel shard."""
+    from launcher.errors import ConfigError
+
+    from . import TORCH_PRECISION, TRACE_OPTIMIZER
+
+    if strategy.name == "cai_ddp":
+        param_dtype, autocast = TORCH_PRECISION[workload.precision]
+        return {"param_dtype": param_dtype, "autocast_dtype": autocast,
+                "optimizer": TRACE_OPTIMIZER[workload.optimizer]}
+    if workload.precision not in PLUGIN_DTYPE:
+        raise ConfigError(f"training.precision={workload.precision} is not supported by strategy="
+                          f"{strategy.name}; use one of {', '.join(PLUGIN_DTYPE)}")
+    out = {"param_dtype": PLUGIN_DTYPE[workload.precision], "autocast_dtype": None, "optimizer": "none"}
+    if strategy.tp_size > 1:
+        out["tp_size"] = strategy.tp_size
+    return out
+
+
+def _zero_setup(strategy, workload, cai, dp: int, device: str) -> ZeroSetup:
+    from launcher.emit.colossalai import overlap
+
+    from .common import DTYPE_BYTES
+
+    return ZeroSetup(stage=strategy.zero_stage, model_bytes=DTYPE_BYTES[PLUGIN_DTYPE[workload.precision]],
+                     dp=dp, bucket_numel=cai.reduce_bucket_size_in_m * MEGA, overlap=overlap(cai, device),
+                     optimizer=workload.optimizer)
+
+
+def colossalai_memory(traces, strategy, workload, ddp, cai, dp: int, device: str):
+    """(traces as extrapolated, per-depth layouts, notes, extra bytes {phase: {category: bytes}})."""
+    import dataclasses
+
+    from .ddp import bucket_bytes, ddp_layout
+    from .zero3 import full_depth_numels
+
+    pair = (traces.depth1, traces.depth2)
+    if strategy.name == "cai_ddp":
+        from .ddp import DDP_NOTES
+
+        return traces, [ddp_layout(t, ddp, dp) for t in pair], DDP_NOTES, {}
+    z = _zero_setup(strategy, workload, cai, dp, device)
+    if strategy.name == "cai_gemini":
+        return (traces, [gemini_activation_layout(t) for t in pair], GEMINI_NOTES,
+                gemini_extra(full_depth_numels(traces.depth1, traces.num_layers), z, cai))
+    if strategy.pp_size > 1:
+        traces = dataclasses.replace(traces, num_layers=max(1, traces.num_layers // strategy.pp_size))
+    if strategy.zero_stage in (1, 2) and (strategy.name != "cai_tp" or dp > 1):
+        layouts = [lowlevel_zero_layout(t, z) for t in pair]
+    else:
+        layouts = [hybrid_stage0_layout(t, z, bucket_bytes(t, ddp.bucket_cap_mb) if dp > 1 else [])
+                   for t in pair]
+    extra: dict = {}
+    if strategy.tp_size > 1:
+        from launcher.emit.colossalai import PARALLEL_OUTPUT
+
+        tokens = traces.depth1.micro_batch_size * traces.depth1.seq_len
+        b = tp_extra_bytes(tokens, strategy.tp_size, z.model_bytes, PARALLEL_OUTPUT, 0)
+        extra = {ph: {"activations": b} for ph in ("forward", "backward")}
+    if strategy.pp_size > 1:
+        extra = _add(extra, pipeline_inflight_bytes(traces, strategy.pp_size, cai))
+    notes = (f"ColossalAI {strategy.name}: plugin precision model traced without optimizer"
+             + (f" (tensor-parallel shard, tp={strategy.tp_size})" if strategy.tp_size > 1 else "")
+             + "; LowLevelZero/Hybrid storages modelled from colossalai/zero/low_level and "
+             "booster/plugin (launcher/memory/colossalai.py).",)
+    return traces, layouts, notes, extra
+
+
+def _add(a: dict, b: dict) -> dict:
+    out = {ph: dict(v) for ph, v in a.items()}
+    for ph, cats in b.items():
+        for c, n in cats.items():
+            out.setdefault(ph, {})[c] = out.get(ph, {}).get(c, 0) + n
+    return out
+
+
+def pipeline_inflight_bytes(traces, pp_size: int, cai) -> dict:
+    """1F1B (pipeline/schedule/one_f_one_b.py `run_forward_backward`): stage 0 runs
+    min(p, m) warm-up forwards before its first backward, so it holds the saved activations of
+    up to p micro-batches (Narayanan et al., arXiv:2104.04473 sec. 2.2). The traced step holds one;
+    the other min(p, m) - 1 are added: the live bytes at the end of the traced forward minus at its
+    start, at the stage's depth. Each stage is estimated with the embedding and the LM head both
+    present (an upper bound for the worst rank: the embedding is on the first stage, the LM head
+    and the loss on the last)."""
+    from launcher.emit.colossalai import num_microbatches
+
+    m = num_microbatches(cai, pp_size)
+
+    def saved(t):
+        curve = t.live_curve()
+        a, b = t.phases["forward"]
+        return int(curve[b - 1] - curve[a])
+    per_micro = int(traces.at_depth(saved))
+    extra = max(0, min(pp_size, m) - 1) * per_micro
+    return {"forward": {"activations": extra}, "backward": {"activations": extra}}
+
+
+def gemini_activation_layout(trace: StepTrace) -> Layout:
+    """The traced 16-bit step without its parameter storages (they live in chunks) and with each
+    gradient freed when ready (gemini_ddp.py `grad_handle` copies it into the parameter's chunk
+    slot); chunk storages are added at full depth (`gemini_extra`)."""
+    layout = Layout.of(trace, reduce_events=0, step_events=1)
+    layout.drop(Kind.PARAM)
+    g = layout.rows(Kind.GRAD) & (trace.ready >= 0)
+    layout.free[g] = layout.ev(trace.ready[g])
+    return layout
+
+
+def gemini_extra(sizes: list[int], z: ZeroSetup, cai) -> dict:
+    """Gemini chunk storages at full depth (gemini.py): 16-bit shards (also the gradients), fp32
+    master shards and Adam states in every phase; the gathered chunks in forward and backward; in
+    the step one chunk shard's gradient cast to fp32 (gemini_optimizer.py `_update_fp16_params` /
+    `step`: per chunk `chunk16.cuda_shard.float()`)."""
+    from .gemini import gemini_bytes, search_chunk_size
+
+    search = search_chunk_size(sizes, z.dp, cai.search_range_m, cai.min_chunk_size_m, cai.hidden_dim)
+    static = cai.placement_policy == "static"
+    gb = gemini_bytes(sizes, z.dp, z.model_bytes, search,
+                      cai.shard_param_frac if static else 1.0,
+                      cai.offload_optim_frac if static else 0.0,
+                      cai.offload_param_frac if static else 0.0,
+                      optimizer_state_numel_factor(z.optimizer))
+    base = {"parameters": gb.param_shards, "optimizer_states": gb.master_shards + gb.optimizer_states}
+    shard = search.chunk_size if search.keep_gathered else search.chunk_size // z.dp
+    return {"forward": {**base, "parameters": gb.param_shards + gb.gathered},
+            "backward": {**base, "parameters": gb.param_shards + gb.gathered},
+            "optimizer": {**base, "gradients": 4 * shard}}
+
+
+GEMINI_NOTES = (
+    "ColossalAI Gemini: chunk size searched as search_chunk_configuration does; 16-bit and fp32 "
+    "chunks sharded over the data-parallel ranks, gradients reuse the 16-bit chunks; the two "
+    "largest chunks gathered during compute (launcher/memory/gemini.py).",
+    "placement_policy=auto is estimated as static with shard_param_frac=1 and no offload (auto "
+    "moves chunks to host memory only under memory pressure).",
+)

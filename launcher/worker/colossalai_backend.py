@@ -1,0 +1,168 @@
+"""ColossalAI training backend: `colossalai.launch_from_torch` + `Booster(plugin=...)`.
+
+framework_config is the emitted colossalai_plugin.json: {"plugin": <class name in
+colossalai.booster.plugin>, "kwargs": {...}} (launcher/emit/colossalai.py).
+
+- The optimizer is a torch optimizer (`make_optimizer`): ColossalAI's HybridAdam / CPUAdam are
+  kernels built with CUDA headers (colossalai/kernel/kernel_loader.py), and a torch optimizer
+  keeps the update identical to the other backends.
+- TorchDDPPlugin keeps fp32 parameters; mixed precision is torch autocast around the forward, as
+  in the DDP backend. LowLevelZeroPlugin, GeminiPlugin and HybridParallelPlugin cast the model
+  to their `precision` themselves and keep fp32 master weights, so no autocast there.
+- Gradient accumulation: `booster.no_sync` on the micro-batches before the last for TorchDDP and
+  LowLevelZero stage 1; ZeRO-2 and Gemini reduce every micro-batch (`no_sync` is not supported
+  with partitioned gradients, low_level_optim.py `backward`).
+- Pipeline parallelism (pp_size > 1): each micro_step runs the whole 1F1B schedule over this
+  rank's micro-batch, split by the plugin into `num_microbatches`
+  (`booster.execute_pipeline`, colossalai/pipeline/schedule/one_f_one_b.py).
+
+LAUNCHER_COLOSSALAI_TEST_PRELOAD (testing aid, unset in normal use): a module imported before
+ColossalAI launches. The integration tests name tests/colossalai_cpu_compat.py, which makes
+ColossalAI's CPU accelerator usable for LowLevelZero and HybridParallel on CPU processes.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from pathlib import Path
+
+from launcher.errors import ConfigError
+
+PLUGINS = ("TorchDDPPlugin", "LowLevelZeroPlugin", "GeminiPlugin", "HybridParallelPlugin")
+TEST_PRELOAD_ENV = "LAUNCHER_COLOSSALAI_TEST_PRELOAD"
+CKPT_MODEL, CKPT_OPTIM = "model", "optimizer"
+
+
+def check_plugin_config(framework_config: dict) -> None:
+    """{'plugin': one of PLUGINS, 'kwargs': dict} whose keys the plugin's __init__ accepts."""
+    name = framework_config.get("plugin")
+    if name not in PLUGINS:
+        raise ConfigError(f"colossalai_plugin.json plugin={name!r}; use one of {', '.join(PLUGINS)}")
+    kwargs = framework_config.get("kwargs", {})
+    if not isinstance(kwargs, dict):
+        raise ConfigError("colossalai_plugin.json kwargs must be an object")
+    try:
+        import inspect
+
+        cls = plugin_class(name)
+    except ImportError as err:
+        raise ConfigError(f"ColossalAI is not installed ({err}); run scripts/setup (without LAUNCHER_SKIP_COLOSSALAI=1)") from None
+    allowed = set(inspect.signature(cls.__init__).parameters) - {"self"}
+    unknown = sorted(set(kwargs) - allowed)
+    if unknown:
+        raise ConfigError(f"colossalai_plugin.json kwargs {unknown} are not {name} arguments")
+
+
+def plugin_class(name: str):
+    import colossalai.booster.plugin as plugins
+
+    return getattr(plugins, name)
+
+
+def launch(seed: int) -> None:
+    """Join the process group through ColossalAI (it picks gloo on its CPU accelerator, nccl on
+    CUDA: colossalai/initialize.py `launch`), after the optional test preload."""
+    module = os.environ.get(TEST_PRELOAD_ENV)
+    if module:
+        importlib.import_module(module)
+    import colossalai
+
+    colossalai.launch_from_torch(seed=seed, verbose=False)
+
+
+def _loss_of(outputs, batch):
+    return outputs.loss
+
+
+class ColossalAIBackend:
+    def __init__(self, model, spec, env, plan, meter) -> None:
+        import torch
+        from colossalai.booster import Booster
+
+        from launcher.worker.backends import make_optimizer, make_scheduler
+
+        check_plugin_config(spec.framework_config)
+        name, kwargs = spec.framework_config["plugin"], dict(spec.framework_config.get("kwargs", {}))
+        self.plugin = plugin_class(name)(**kwargs)
+        self.booster = Booster(plugin=self.plugin)
+        optimizer = make_optimizer(spec.optimizer, model.parameters(), spec.learning_rate, spec.weight_decay)
+        self.model, self.optimizer, *_ = self.booster.boost(model, optimizer)
+        self._torch_optimizer = optimizer
+        self.scheduler = make_scheduler(optimizer, spec.warmup_steps)
+        self._ddp_like = ddp_like = name == "TorchDDPPlugin"
+        self._autocast_dtype = getattr(torch, plan.autocast_dtype) if ddp_like and plan.autocast_dtype else None
+        self._no_sync = ddp_like or (name == "LowLevelZeroPlugin" and kwargs.get("stage", 1) == 1)
+        self._pipeline = kwargs.get("pp_size", 1) > 1
+        self._num_microbatches = kwargs.get("num_microbatches") or 1
+        self._buffer: list = []
+        self._placeholders: list = []
+        self._device_type, self._spec, self._meter = env.device, spec, meter
+
+    def _autocast(self):
+        import torch
+
+        if self._autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self._device_type, dtype=self._autocast_dtype)
+
+    def micro_step(self, input_ids, last: bool):
+        if self._pipeline:
+            return self._pipeline_micro_step(input_ids)
+        sync = self.booster.no_sync(self.model, self.optimizer) if (self._no_sync and not last) \
+            else contextlib.nullcontext()
+        with sync:
+            with self._meter.phase("forward"), self._autocast():
+                loss = self.model(input_ids=input_ids, labels=input_ids).loss
+            with self._meter.phase("backward"):
+                self.booster.backward(loss / self._spec.grad_accum_steps, self.optimizer)
+        return loss.detach().float()
+
+    def _pipeline_micro_step(self, input_ids):
+        """Buffer micro-batches; every `num_microbatches` of them run one 1F1B schedule over their
+        concatenation (the plugin splits it back). Every buffered micro-step's loss is the
+        schedule's mean loss (last stage; other stages report 0)."""
+        import torch
+
+        self._buffer.append(input_ids)
+        placeholder = torch.zeros((), dtype=torch.float32)
+        self._placeholders.append(placeholder)
+        if len(self._buffer) == self._num_microbatches:
+            batch = torch.cat(self._buffer)
+            with self._meter.phase("forward"):
+                out = self.booster.execute_pipeline(iter([{"input_ids": batch, "labels": batch}]),
+                                                    self.model, _loss_of, self.optimizer, return_loss=True)
+            loss = out.get("loss")
+            for p in self._placeholders:
+                p.fill_(float(loss) if loss is not None else 0.0)
+            self._buffer, self._placeholders = [], []
+        return placeholder
+
+    def optimizer_step(self) -> None:
+        import torch
+
+        with self._meter.phase("optimizer"):
+            if self._ddp_like and self._spec.max_grad_norm > 0:  # the other plugins clip (max_norm)
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self._spec.max_grad_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            self.scheduler.step()
+
+    @property
+    def lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    def save(self, directory: Path, rank: int) -> None:
+        import torch
+
+        self.booster.save_model(self.model, str(directory / CKPT_MODEL), shard=True)
+        self.booster.save_optimizer(self.optimizer, str(directory / CKPT_OPTIM), shard=True)
+        if rank == 0:
+            torch.save(self.scheduler.state_dict(), directory / "scheduler.pt")
+
+    def load(self, directory: Path) -> None:
+        import torch
+
+        self.booster.load_model(self.model, str(directory / CKPT_MODEL))
+        self.booster.load_optimizer(self.optimizer, str(directory / CKPT_OPTIM))
+        self.scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=True))

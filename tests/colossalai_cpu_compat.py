@@ -1,0 +1,137 @@
+"""TEST COMPATIBILITY LAYER: lets ColossalAI 0.5.0's LowLevelZeroPlugin and HybridParallelPlugin
+run on CPU processes (gloo) in the integration tests. Never imported by the product.
+
+ColossalAI's CPU accelerator (colossalai/accelerator/cpu_accelerator.py `CpuAccelerator`) raises
+"this method is not supported for cpu accelerator" for the RNG-state, seeding, stream/event,
+synchronize, device-query and memory-statistics methods that those plugins call on every step;
+its `get_rng_state(device)` passes the device to `torch.get_rng_state()`, which takes no
+argument; and `LowLevelZeroOptimizer._sanity_checks` asserts the accelerator is cuda or npu.
+`apply()` replaces those methods with CPU equivalents (torch's CPU RNG) or no-ops (CPU ops are
+synchronous: streams and events have nothing to wait for), and keeps the sanity check's dtype
+test. None of this allocates tensors, so the memory a run measures is ColossalAI's own.
+
+The worker imports this module before ColossalAI launches when the test sets
+LAUNCHER_COLOSSALAI_TEST_PRELOAD=tests.colossalai_cpu_compat (launcher/worker/colossalai_backend.py).
+GeminiPlugin is not made to run: it has no fp32 path on CPU and its bf16 chunk handling fails.
+"""
+from __future__ import annotations
+
+import contextlib
+
+
+class _CpuStream:
+    """Stands for a CUDA stream: CPU work is synchronous, so every wait is already satisfied."""
+
+    def wait_stream(self, other) -> None:
+        return None
+
+    def wait_event(self, event) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def record_event(self, event=None):
+        return event or _CpuEvent()
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuEvent:
+    def record(self, stream=None) -> None:
+        return None
+
+    def wait(self, stream=None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
+def _replacements(torch) -> dict:
+    zero = lambda *a, **k: 0  # noqa: E731
+    none = lambda *a, **k: None  # noqa: E731
+    return {
+        "current_device": lambda self: 0,
+        "set_device": none,
+        "get_device_name": lambda self, *a, **k: "cpu",
+        "synchronize": none,
+        "device_count": lambda self: 1,
+        "get_device_capability": lambda self, *a, **k: (0, 0),
+        "get_device_properties": none,
+        "utilization": zero,
+        "get_rng_state": lambda self, device=None: torch.get_rng_state(),
+        "get_rng_state_all": lambda self: [torch.get_rng_state()],
+        "set_rng_state": lambda self, new_state, device=None: torch.set_rng_state(new_state),
+        "set_rng_state_all": lambda self, new_states: torch.set_rng_state(new_states[0]),
+        "manual_seed": lambda self, seed: torch.manual_seed(seed),
+        "manual_seed_all": lambda self, seed: torch.manual_seed(seed),
+        "seed": lambda self: torch.seed(),
+        "seed_all": lambda self: torch.seed(),
+        "initial_seed": lambda self: torch.initial_seed(),
+        "empty_cache": none,
+        "memory_stats": lambda self, *a, **k: {},
+        "memory_summary": lambda self, *a, **k: "",
+        "memory_snapshot": lambda self: [],
+        "memory_allocated": zero,
+        "max_memory_allocated": zero,
+        "reset_max_memory_allocated": none,
+        "reset_max_memory_cached": none,
+        "memory_reserved": zero,
+        "max_memory_reserved": zero,
+        "set_per_process_memory_fraction": none,
+        "reset_peak_memory_stats": none,
+        "Stream": lambda self, *a, **k: _CpuStream(),
+        "Event": lambda self, *a, **k: _CpuEvent(),
+        "current_stream": lambda self, *a, **k: _CpuStream(),
+        "default_stream": lambda self, *a, **k: _CpuStream(),
+        "set_stream": none,
+        "stream": lambda self, stream_: contextlib.nullcontext(),
+    }
+
+
+def _dtype_checks_only(self) -> None:
+    """`LowLevelZeroOptimizer._sanity_checks` without its `accelerator in (cuda, npu)` assert."""
+    for group in self.optim.param_groups:
+        for param in group["params"]:
+            if not getattr(param, "skip_zero_check", False):
+                assert param.dtype == self._dtype, (
+                    f"Parameters are expected to have the same dtype `{self._dtype}`, but got `{param.dtype}`")
+
+
+def apply() -> list[str]:
+    """Patch ColossalAI's CPU accelerator and LowLevelZero's sanity check; returns the names of
+    the replaced accelerator methods. Idempotent."""
+    import torch
+    from colossalai.accelerator.cpu_accelerator import CpuAccelerator
+    from colossalai.zero.low_level.low_level_optim import LowLevelZeroOptimizer
+
+    replaced = []
+    for name, fn in _replacements(torch).items():
+        if hasattr(CpuAccelerator, name):
+            setattr(CpuAccelerator, name, fn)
+            replaced.append(name)
+    LowLevelZeroOptimizer._sanity_checks = _dtype_checks_only
+    _transformers_names()
+    return replaced
+
+
+def _transformers_names() -> None:
+    """colossalai/shardformer/modeling/llama.py imports `StaticCache` from
+    transformers.models.llama.modeling_llama (transformers 4.51); transformers 5 only has it in
+    transformers.cache_utils. Re-export it there so the Llama shard policy imports."""
+    from transformers import cache_utils
+    from transformers.models.llama import modeling_llama
+
+    if not hasattr(modeling_llama, "StaticCache"):
+        modeling_llama.StaticCache = cache_utils.StaticCache
+
+
+apply()
