@@ -1,0 +1,312 @@
+"""LoRA and QLoRA with HF PEFT: the one place that turns the `peft` config section into a
+`peft.LoraConfig` and applies it, for both the estimator's fake-tensor trace and the worker, so the
+estimate traces the very modules that train.
+
+`LoraSettings` is plain data (no torch, no peft import) carried by the trace key and run.json.
+
+QLoRA in the trace (`qlora_stand_in`): bitsandbytes' 4-bit kernels cannot run on fake tensors, so
+the base model is built in the compute dtype and each Linear that transformers' bitsandbytes
+integration would quantize keeps a compute-dtype weight whose *storage bytes* the tracer replaces
+by the 4-bit layout of launcher/quant.py (packed weight + quantization constants). Its forward is a
+stand-in autograd Function with the allocations of bitsandbytes' `MatMul4Bit` on a training-size
+input (bitsandbytes/autograd/_functions.py; on GPU `gemm_4bit` dequantizes and calls F.linear above
+a small row count, backends/cuda/ops.py): forward dequantizes the weight into a temporary
+compute-dtype copy, multiplies and frees it; nothing is saved for backward but the weight; backward
+dequantizes again to compute the input gradient. peft's bnb LoRA layer clones the base output
+(peft/tuners/lora/bnb.py Linear4bit.forward, `result = result.clone()`); the stand-in clones too.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from launcher.errors import ConfigError
+
+QUANT_BLOCKSIZE = 64  # bitsandbytes Params4bit default blocksize (bitsandbytes/nn/modules.py)
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """What `peft.LoraConfig` and the 4-bit base need; `quant_type` None means plain LoRA."""
+
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.05
+    target_modules: Optional[tuple] = None  # None = PEFT's default for the architecture
+    quant_type: Optional[str] = None  # None (LoRA) | 'nf4' | 'fp4' (QLoRA)
+    double_quant: bool = True
+    compute_dtype: str = "bfloat16"  # QLoRA: dtype of the frozen base (except 4-bit weights)
+
+    @property
+    def method(self) -> str:
+        return "lora" if self.quant_type is None else "qlora"
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["target_modules"] = list(self.target_modules) if self.target_modules else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LoraSettings":
+        d = dict(d)
+        tm = d.get("target_modules")
+        d["target_modules"] = tuple(tm) if tm else None
+        return cls(**d)
+
+
+def settings_from_config(peft_config) -> Optional[LoraSettings]:
+    """`launcher.config.PeftConfig` -> LoraSettings, or None for method=none."""
+    method = peft_config.method.name
+    if method == "none":
+        return None
+    problems = []
+    if peft_config.r < 1:
+        problems.append(f"peft.r={peft_config.r}: must be at least 1, e.g. peft.r=8")
+    if not 0 <= peft_config.dropout < 1:
+        problems.append(f"peft.dropout={peft_config.dropout}: must be in [0, 1), e.g. 0.05")
+    if problems:
+        raise ConfigError(*problems)
+    tm = tuple(peft_config.target_modules) if peft_config.target_modules else None
+    return LoraSettings(r=peft_config.r, alpha=peft_config.alpha, dropout=float(peft_config.dropout),
+                        target_modules=tm,
+                        quant_type=peft_config.quant_type.name if method == "qlora" else None,
+                        double_quant=peft_config.double_quant,
+                        compute_dtype=peft_config.compute_dtype.name)
+
+
+def default_target_modules(model_type: str) -> list[str]:
+    """PEFT's own default LoRA targets for an architecture
+    (peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING)."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as mapping
+
+    if model_type not in mapping:
+        raise ConfigError(f"PEFT has no default LoRA target modules for model_type={model_type!r}; "
+                          f"set peft.target_modules, e.g. peft.target_modules=[q_proj,v_proj]")
+    return list(mapping[model_type])
+
+
+def lora_config(settings: LoraSettings, model_type: str):
+    """The `peft.LoraConfig` both the trace and the worker apply."""
+    from peft import LoraConfig
+
+    targets = list(settings.target_modules) if settings.target_modules else default_target_modules(model_type)
+    return LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                      target_modules=targets, bias="none", task_type="CAUSAL_LM")
+
+
+def apply_lora(model, settings: LoraSettings, autocast_adapter_dtype: bool = True):
+    """`peft.get_peft_model` with our LoraConfig. `autocast_adapter_dtype` (peft's own flag): keep
+    adapters of a 16-bit model in fp32 (peft's default); DeepSpeed casts the whole module to its
+    16-bit dtype, so its runs pass False. Raises ConfigError when no module matches."""
+    from peft import get_peft_model
+
+    cfg = lora_config(settings, model.config.model_type)
+    try:
+        return get_peft_model(model, cfg, autocast_adapter_dtype=autocast_adapter_dtype)
+    except ValueError as err:
+        raise ConfigError(f"peft.target_modules={list(cfg.target_modules)}: "
+                          f"{str(err).splitlines()[0]}") from None
+
+
+def num_trainable_params(model) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+@contextlib.contextmanager
+def fake_tensor_adapter_moves():
+    """Let peft create adapters on fake tensors. peft moves each new adapter (and each wrapped
+    module) to its base layer's device and dtype with `Module.to` (tuners_utils.py
+    `_move_adapter_to_device_of_base_layer`, lora/model.py `_replace_module`); on FakeTensor
+    parameters torch 2.13's `Module._apply` must swap tensors and refuses (the parameter has a
+    weakref). Inside this context `Module.to` does the same conversion by replacing each parameter
+    and buffer that changes, and leaves the others untouched (what `.to` does on real tensors)."""
+    import torch
+
+    original = torch.nn.Module.to
+
+    def to(self, *args, **kwargs):
+        device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+        for module in self.modules():
+            for table in (module._parameters, module._buffers):
+                for key, t in list(table.items()):
+                    if t is None:
+                        continue
+                    cast = dtype if dtype is not None and (t.is_floating_point() or t.is_complex()) else None
+                    if (device is None or t.device == device) and (cast is None or t.dtype == cast):
+                        continue
+                    new = t.detach().to(device=device or t.device, dtype=cast or t.dtype)
+                    table[key] = (torch.nn.Parameter(new, requires_grad=t.requires_grad)
+                                  if isinstance(t, torch.nn.Parameter) else new)
+        return self
+
+    torch.nn.Module.to = to
+    try:
+        yield
+    finally:
+        torch.nn.Module.to = original
+
+
+def quantizable_linears(model) -> list:
+    """The Linear modules transformers' bitsandbytes integration replaces by 4-bit ones: every
+    `nn.Linear` except `HfQuantizer.get_modules_to_not_convert` (lm_head, tied and keep-in-fp32
+    modules), as quantizers/quantizer_bnb_4bit.py decides with `should_convert_module`."""
+    import torch
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    skip = HfQuantizer.get_modules_to_not_convert(model, None, getattr(model, "_keep_in_fp32_modules", None))
+    return [m for name, m in model.named_modules()
+            if type(m) is torch.nn.Linear and should_convert_module(name, skip)]
+
+
+def _dequant_linear():
+    """The stand-in for bitsandbytes' MatMul4Bit (module docstring)."""
+    import torch
+
+    class DequantLinear(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, bias):
+            ctx.save_for_backward(weight)  # the 4-bit weight itself, no activation
+            w = weight.clone()  # F.dequantize_4bit(B, quant_state).to(A.dtype)
+            out = torch.nn.functional.linear(x, w, bias)
+            del w
+            return out
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            (weight,) = ctx.saved_tensors
+            grad_x = torch.matmul(grad_out, weight.clone()) if ctx.needs_input_grad[0] else None
+            return grad_x, None, None
+
+    return DequantLinear
+
+
+def qlora_stand_in(linears) -> list:
+    """Replace the forward of each quantizable Linear by the MatMul4Bit stand-in (plus peft's
+    defensive clone); returns their weights, whose storage bytes become 4-bit."""
+    fn = _dequant_linear()
+
+    def forward(module):
+        return lambda x: fn.apply(x, module.weight, module.bias).clone()
+
+    for m in linears:
+        m.forward = forward(m)
+    return [m.weight for m in linears]
+
+
+def four_bit_storage_bytes(numel: int, settings: LoraSettings) -> int:
+    """Bytes of one 4-bit weight with its constants (launcher/quant.py, bitsandbytes layout)."""
+    from launcher import quant
+
+    return quant.four_bit_weight_bytes(numel, QUANT_BLOCKSIZE, settings.double_quant,
+                                       quant_type=settings.quant_type)["total_bytes"]
+
+
+# ----------------------------------------------------------------------------- planning
+
+@dataclass(frozen=True)
+class TrainingVariant:
+    """What a candidate trains and how: full fine-tuning or adapters, with or without gradient
+    checkpointing. The planner multiplies strategies by these (`training_variants`)."""
+
+    trains: str  # 'full' | 'adapters'
+    lora: Optional[LoraSettings]
+    gradient_checkpointing: bool
+
+    @property
+    def label(self) -> str:
+        what = "full" if self.lora is None else (
+            f"lora r={self.lora.r}" if self.lora.quant_type is None
+            else f"qlora {self.lora.quant_type} r={self.lora.r}")
+        return what + (" +ckpt" if self.gradient_checkpointing else "")
+
+
+def training_variants(config, device: str) -> list[TrainingVariant]:
+    """The user's choice first. Under strategy=auto with a peft choice or training.allow_peft,
+    gradient checkpointing (and, with allow_peft, LoRA and, on GPUs, QLoRA with the `peft.*`
+    settings) are added as ways to fit; without either, only what was asked."""
+    t = config.training
+    ckpt = t.gradient_checkpointing
+    chosen = settings_from_config(config.peft)
+    asked = TrainingVariant("full" if chosen is None else "adapters", chosen, ckpt)
+    auto = config.strategy.name == "auto"
+    if not auto or (chosen is None and not t.allow_peft):
+        return [asked]
+    out = [asked]
+    if chosen is None:
+        p = config.peft
+        lora = LoraSettings(r=p.r, alpha=p.alpha, dropout=float(p.dropout),
+                            target_modules=tuple(p.target_modules) if p.target_modules else None)
+        out.append(TrainingVariant("adapters", lora, ckpt))
+        if device == "cuda":
+            from dataclasses import replace
+
+            qlora = replace(lora, quant_type=p.quant_type.name, double_quant=p.double_quant,
+                            compute_dtype=p.compute_dtype.name)
+            out.append(TrainingVariant("adapters", qlora, ckpt))
+    if not ckpt:
+        out += [TrainingVariant(v.trains, v.lora, True) for v in list(out)]
+    return out
+
+
+def variant_problem(variant: TrainingVariant, strategy, device: str) -> str:
+    """Why this strategy cannot train this variant here, or ''."""
+    lora = variant.lora
+    if lora is None:
+        return ""
+    if strategy.backend == "colossalai":
+        return "LoRA with ColossalAI plugins is not modelled; use ddp or DeepSpeed zero0-2"
+    if strategy.backend == "deepspeed" and strategy.zero_stage == 3:
+        return ("ZeRO-3 also partitions LoRA's frozen base weights; its memory model covers full "
+                "fine-tuning only; use zero0-2 or ddp")
+    if lora.quant_type is not None:
+        if device != "cuda":
+            return "QLoRA needs bitsandbytes' GPU 4-bit kernels; hardware=cpu has none (use peft=lora)"
+        if strategy.backend != "ddp":
+            return "QLoRA's 4-bit base runs with torch DDP only (DeepSpeed casts the whole module)"
+    return ""
+
+
+def trace_fields(lora: Optional[LoraSettings], backend: str, request: dict) -> dict:
+    """The TraceKey fields of a LoRA/QLoRA candidate, on top of the strategy's `request`
+    (launcher.memory.trace_request). DeepSpeed casts the whole module, adapters included, to its
+    16-bit dtype, so peft's fp32 adapter autocast is off there; QLoRA's base is built in its
+    compute dtype."""
+    if lora is None:
+        return {}
+    out = {"trainable": "lora", "lora_r": lora.r, "lora_alpha": lora.alpha,
+           "lora_dropout": lora.dropout, "lora_target_modules": tuple(lora.target_modules or ()),
+           "quant_type": lora.quant_type, "double_quant": lora.double_quant,
+           "adapter_autocast": backend != "deepspeed"}
+    if lora.quant_type is not None:
+        out["param_dtype"] = lora.compute_dtype
+    return {**request, **out}
+
+
+# ----------------------------------------------------------------------------- worker
+
+def quantize_base_4bit(model, settings: LoraSettings):
+    """QLoRA in the worker (CUDA only): every Linear of `quantizable_linears` becomes a
+    `bitsandbytes.nn.Linear4bit` holding its weight as `Params4bit` (blocksize 64, the settings'
+    quant type and double quantization, compute dtype), quantized when moved to the GPU
+    (bitsandbytes/nn/modules.py Params4bit._quantize). The model must be in the compute dtype."""
+    import bitsandbytes as bnb
+    import torch
+
+    dtype = getattr(torch, settings.compute_dtype)
+    targets = {id(m) for m in quantizable_linears(model)}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) not in targets:
+                continue
+            new = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                    compute_dtype=dtype, compress_statistics=settings.double_quant,
+                                    quant_type=settings.quant_type, device="meta")
+            new.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False,
+                                           compress_statistics=settings.double_quant,
+                                           quant_type=settings.quant_type, blocksize=QUANT_BLOCKSIZE)
+            if child.bias is not None:
+                new.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+            setattr(parent, name, new)
+    return model.to(torch.cuda.current_device())

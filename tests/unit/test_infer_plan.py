@@ -1,0 +1,61 @@
+"""mode=infer_plan through the real command line, against per-GPU numbers derived by hand from the
+models' published config.json values (catalogue files conf/model/*.yaml)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+def four_bit_bytes(numel: int, blocksize: int = 64) -> int:
+    """bitsandbytes 4-bit without double quantization: two codes per byte, one fp32 absmax per
+    block of 64, the 16-entry fp32 code table (bitsandbytes/functional.py quantize_4bit)."""
+    return numel // 2 + 4 * (-(-numel // blocksize)) + 16 * 4
+
+
+def run_json(cli, *args):
+    r = cli(*args, "mode=infer_plan", "report=json", timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout[r.stdout.index("{"):])
+
+
+def test_llama_3_1_8b_at_nf4(cli):
+    out = run_json(cli, "model=llama-3.1-8b", "hardware=a10g", "inference.precision=nf4",
+                   "inference.batch_size=2", "inference.prompt_len=1000", "inference.gen_len=200")
+    hidden, inter, vocab, layers, kv_heads, head_dim = 4096, 14336, 128256, 32, 8, 128
+    per_layer = [hidden * hidden, kv_heads * head_dim * hidden, kv_heads * head_dim * hidden,
+                 hidden * hidden, inter * hidden, inter * hidden, hidden * inter]
+    linear = layers * sum(four_bit_bytes(n) for n in per_layer)
+    sixteen_bit = 2 * (2 * vocab * hidden + (2 * layers + 1) * hidden)  # embed, lm_head, norms
+    g = out["per_gpu"]
+    assert g["weight_bytes"] == linear + sixteen_bit
+    # KV cache with GQA: 2 (K, V) x layers x batch x tokens x KV heads x head_dim x 2 bytes
+    assert g["kv_cache_bytes"] == 2 * layers * 2 * 1200 * kv_heads * head_dim * 2
+    assert out["kv_cache_bytes_per_token"] == 2 * layers * kv_heads * head_dim * 2
+    assert 0 < g["activation_bytes"] < g["weight_bytes"]
+    assert g["peak_allocated_bytes"] >= g["weight_bytes"] + g["kv_cache_bytes"]
+    assert out["fits"] and 5.0 < g["weight_bytes"] / 2**30 < 6.0  # ~4.5 bits/param + 16-bit embeddings
+
+
+def test_llama_2_70b_split_over_two_gpus(cli):
+    two = run_json(cli, "model=llama-2-70b", "gpus=2", "inference.tp_size=2")
+    hidden, inter, vocab, layers, kv_heads, head_dim, tokens = 8192, 28672, 32000, 80, 8, 128, 1024 + 256
+    # KV heads split over the 2 GPUs: 4 per GPU
+    assert two["per_gpu"]["kv_cache_bytes"] == 2 * layers * tokens * (kv_heads // 2) * head_dim * 2
+    # bf16: every Linear of the layers and the untied lm_head split in two; embedding and norms replicated
+    linear = layers * (2 * hidden * hidden + 2 * kv_heads * head_dim * hidden + 3 * inter * hidden)
+    split = linear + vocab * hidden
+    replicated = vocab * hidden + (2 * layers + 1) * hidden
+    assert two["model"]["num_params"] == split + replicated
+    assert two["per_gpu"]["weight_bytes"] == 2 * (split // 2 + replicated)
+    assert two["fits"] and two["per_gpu"]["runtime_bytes"] > 0  # CUDA context + NCCL for TP
+
+
+def test_table_and_one_line_errors(cli):
+    r = cli("model=llama-3.1-8b", "mode=infer_plan", "inference.precision=int8", timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for word in ("weights", "KV cache", "activations", "device total"):
+        assert word in r.stdout
+    bad = cli("model=llama-2-70b", "mode=infer_plan", "gpus=3", "inference.tp_size=3", timeout=300)
+    assert bad.returncode == 2
+    assert "inference.tp_size=3" in bad.stderr

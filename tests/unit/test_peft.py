@@ -1,0 +1,127 @@
+"""launcher/peft.py: the LoraConfig both sides apply, the planner's training variants, and the
+optimizer states the memory models use for 8-bit AdamW (bitsandbytes' own tensors) and Adafactor
+(traced for real: a traced step against a real one)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from launcher import peft as lp  # noqa: E402
+from launcher import trace as tr  # noqa: E402
+from launcher.config import LauncherConfig, PeftMethod, StrategyName  # noqa: E402
+from launcher.errors import ConfigError  # noqa: E402
+from launcher.memory.common import modelled_state_bytes  # noqa: E402
+from launcher.types import Strategy  # noqa: E402
+
+
+def test_lora_config_uses_peft_s_defaults_and_explicit_targets():
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as mapping
+
+    cfg = lp.lora_config(lp.LoraSettings(r=4, alpha=8, dropout=0.1), "bloom")
+    assert set(cfg.target_modules) == set(mapping["bloom"]) and cfg.r == 4 and cfg.lora_alpha == 8
+    cfg = lp.lora_config(lp.LoraSettings(target_modules=("gate_proj", "up_proj")), "llama")
+    assert set(cfg.target_modules) == {"gate_proj", "up_proj"}
+    with pytest.raises(ConfigError, match="peft.target_modules"):
+        lp.default_target_modules("no-such-architecture")
+
+
+def test_settings_round_trip_through_run_json():
+    s = lp.LoraSettings(r=16, alpha=32, dropout=0.0, target_modules=("q_proj",), quant_type="nf4")
+    assert lp.LoraSettings.from_dict(s.to_dict()) == s and s.method == "qlora"
+
+
+def _config(**training):
+    c = LauncherConfig()
+    for k, v in training.items():
+        setattr(c.training, k, v)
+    return c
+
+
+def test_variants_only_what_was_asked_without_allow_peft():
+    assert [v.label for v in lp.training_variants(_config(), "cuda")] == ["full"]
+    c = _config()
+    c.peft.method = PeftMethod["lora"]
+    c.strategy = StrategyName["ddp"]
+    assert [v.label for v in lp.training_variants(c, "cuda")] == ["lora r=8"]
+
+
+def test_variants_with_allow_peft():
+    labels = [v.label for v in lp.training_variants(_config(allow_peft=True), "cpu")]
+    assert labels == ["full", "lora r=8", "full +ckpt", "lora r=8 +ckpt"]  # no QLoRA on CPU
+    cuda = lp.training_variants(_config(allow_peft=True, gradient_checkpointing=True), "cuda")
+    assert [v.label for v in cuda] == ["full +ckpt", "lora r=8 +ckpt", "qlora nf4 r=8 +ckpt"]
+    assert [v.trains for v in cuda] == ["full", "adapters", "adapters"]
+
+
+def test_variant_problems_name_the_reason():
+    lora = lp.TrainingVariant("adapters", lp.LoraSettings(), False)
+    qlora = lp.TrainingVariant("adapters", lp.LoraSettings(quant_type="nf4"), False)
+    ddp, z2, z3 = Strategy("ddp", "ddp"), Strategy("zero2", "deepspeed", 2), Strategy("zero3", "deepspeed", 3)
+    assert lp.variant_problem(lora, ddp, "cpu") == lp.variant_problem(lora, z2, "cpu") == ""
+    assert "ZeRO-3" in lp.variant_problem(lora, z3, "cuda")
+    assert "GPU" in lp.variant_problem(qlora, ddp, "cpu")
+    assert "DDP only" in lp.variant_problem(qlora, z2, "cuda")
+    assert lp.variant_problem(qlora, ddp, "cuda") == ""
+
+
+def _lora_model():
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=320, num_hidden_layers=1)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    return lp.apply_lora(model, lp.LoraSettings(r=16, target_modules=("q_proj", "v_proj", "up_proj")))
+
+
+@pytest.mark.parametrize("name", ["adamw_bnb_8bit", "paged_adamw_8bit"])
+def test_8bit_state_bytes_of_a_lora_model_match_bitsandbytes(name):
+    """The modelled state of the adapters equals the bytes of bitsandbytes' own state tensors after
+    a real step (CPU; qmaps are shared by every parameter and counted once)."""
+    from launcher.worker.backends import make_optimizer
+
+    model = _lora_model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(name, params, 1e-3, 0.0)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    seen, total = set(), 0
+    for state in opt.state.values():
+        for t in state.values():
+            if torch.is_tensor(t) and id(t.untyped_storage()) not in seen:
+                seen.add(id(t.untyped_storage()))
+                total += t.untyped_storage().nbytes()
+    assert modelled_state_bytes(name, [tuple(p.shape) for p in params]) == total
+
+
+def test_adafactor_is_traced_like_a_real_step():
+    """transformers' Adafactor with the Trainer's settings runs under fake tensors: the traced
+    peak equals a real step's (live storage bytes), and its factored states are traced."""
+    from launcher.worker.storage_tracker import StorageTracker
+    from transformers.optimization import Adafactor
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=320, num_hidden_layers=2)
+    key = tr.TraceKey(tr.canonical_config_json(cfg), 2, 2, 64, optimizer="adafactor")
+    traced = int(tr.trace_step(key).live_curve().max())
+    tracker = StorageTracker()
+    with tracker:
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        model.train()
+        opt = Adafactor(model.parameters(), lr=1e-3, scale_parameter=False, relative_step=False,
+                        warmup_init=False)
+        ids = torch.randint(0, 320, (2, 64))
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        del loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert traced == tracker.peak_bytes
+    states = sum(t.untyped_storage().nbytes() for s in opt.state.values() for t in s.values()
+                 if torch.is_tensor(t))
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    assert modelled_state_bytes("adafactor", shapes) == states

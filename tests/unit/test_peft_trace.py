@@ -1,0 +1,143 @@
+"""The LoRA / QLoRA trace (launcher/trace.py trainable='lora') against a real CPU step of the same
+peft model (live storage bytes), and QLoRA's 4-bit storage rows against bitsandbytes."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from launcher import peft as lp  # noqa: E402
+from launcher import quant  # noqa: E402
+from launcher import trace as tr  # noqa: E402
+from launcher.steptrace import Kind  # noqa: E402
+
+VOCAB = 320
+
+
+def llama(num_layers=2):
+    return transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                    num_key_value_heads=2, vocab_size=VOCAB, num_hidden_layers=num_layers)
+
+
+def lora_key(cfg=None, **kw):
+    fields = dict(num_layers=2, micro_batch_size=2, seq_len=128, trainable="lora", lora_r=8,
+                  lora_alpha=16, lora_dropout=0.05, optimizer="adamw_foreach")
+    fields.update(kw)
+    return tr.TraceKey(tr.canonical_config_json(cfg or llama()), **fields)
+
+
+def real_lora_step(k: tr.TraceKey):
+    """The step on real tensors: build, peft.get_peft_model (launcher.peft.apply_lora), AdamW over
+    the trainable parameters, forward + loss, backward, step, zero_grad, under the worker's live
+    storage tracker (the MemTracker accounting; MemTracker itself cannot hook a frozen model's
+    outputs that need no gradient), entered before the model is built."""
+    from launcher.worker.storage_tracker import StorageTracker
+
+    torch.manual_seed(0)
+    cfg = transformers.AutoConfig.for_model(**json.loads(k.hf_config_json))
+    cfg.num_hidden_layers, cfg.use_cache = k.num_layers, False
+    mt = StorageTracker()
+    with mt:
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, k.param_dtype),
+                                                              attn_implementation=k.attn_implementation)
+        model.train()
+        if k.gradient_checkpointing:
+            getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+        model = lp.apply_lora(model, k.lora_settings(), autocast_adapter_dtype=k.adapter_autocast)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, foreach=True) if k.optimizer != "none" else None
+        ids = torch.randint(0, VOCAB, (k.micro_batch_size, k.seq_len))
+        with torch.autocast("cpu", dtype=getattr(torch, k.autocast_dtype or "float32"),
+                            enabled=k.autocast_dtype is not None):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        del loss
+        if opt is not None:
+            opt.step()
+        (opt or model).zero_grad(set_to_none=True)
+    return mt.peak_bytes, model
+
+
+@pytest.mark.parametrize("param_dtype,autocast,optimizer,checkpointing", [
+    ("float32", None, "adamw_foreach", False),
+    ("float32", "bfloat16", "adamw_foreach", False),
+    ("bfloat16", None, "none", False),
+    ("float32", None, "none", True),
+])
+def test_lora_peak_equals_a_real_step(param_dtype, autocast, optimizer, checkpointing):
+    k = lora_key(param_dtype=param_dtype, autocast_dtype=autocast, optimizer=optimizer,
+                 gradient_checkpointing=checkpointing)
+    traced = tr.trace_step(k)
+    measured, model = real_lora_step(k)
+    estimate = int(traced.live_curve().max())
+    assert abs(estimate - measured) / measured <= 0.01, (estimate, measured)
+    # the trace holds the real peft model's parameters: names, sizes, which ones train
+    real = list(model.named_parameters(remove_duplicate=False))
+    assert traced.params.names == tuple(n for n, _ in real)
+    assert traced.params.trainable.tolist() == [p.requires_grad for _, p in real]
+    assert traced.params.numel.tolist() == [p.numel() for _, p in real]
+
+
+def test_frozen_base_has_no_gradients_or_optimizer_state():
+    t = tr.trace_step(lora_key())
+    grads = t.param[(t.kind == Kind.GRAD)]
+    states = t.param[(t.kind == Kind.OPTIM)]
+    trainable = set(np.nonzero(t.params.trainable)[0].tolist())
+    assert set(grads.tolist()) == trainable
+    assert set(states.tolist()) == trainable
+    assert all(".lora_" in t.params.names[i] for i in trainable)
+
+
+def test_default_targets_are_peft_s_own():
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as mapping
+
+    t = tr.trace_step(lora_key(optimizer="none"))
+    adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in t.params.names if ".lora_" in n}
+    assert adapted == set(mapping["llama"])
+    # rank r adapters: A is r x in, B is out x r (q_proj 64 -> 64, v_proj 64 -> 32 with 2 kv heads)
+    sizes = {n.rsplit(".layers.", 1)[1].split(".", 1)[1]: int(v)
+             for n, v in zip(t.params.names, t.params.numel) if ".layers.0." in n and ".lora_" in n}
+    assert sizes == {"self_attn.q_proj.lora_A.default.weight": 8 * 64,
+                     "self_attn.q_proj.lora_B.default.weight": 64 * 8,
+                     "self_attn.v_proj.lora_A.default.weight": 8 * 64,
+                     "self_attn.v_proj.lora_B.default.weight": 32 * 8}
+
+
+@pytest.mark.parametrize("quant_type,double_quant", [("nf4", True), ("nf4", False), ("fp4", True)])
+def test_qlora_base_weights_are_stored_four_bit(quant_type, double_quant):
+    """Every Linear transformers' bitsandbytes integration converts (all but lm_head) holds the
+    bytes bitsandbytes' own quantize_4bit produces for a tensor of its shape; the rest of the trace
+    is the 16-bit LoRA trace plus the dequantization temporaries."""
+    bnb_functional = pytest.importorskip("bitsandbytes.functional")
+    k16 = lora_key(param_dtype="bfloat16", optimizer="none")
+    k4 = dataclasses.replace(k16, quant_type=quant_type, double_quant=double_quant)
+    t16, t4 = tr.trace_step(k16), tr.trace_step(k4)
+    p = t4.params
+    rows = {int(i): r for r, i in enumerate(t4.param) if t4.kind[r] == Kind.PARAM}
+    checked = 0
+    for i, name in enumerate(p.names):
+        base_linear = name.endswith("proj.weight") or name.endswith("proj.base_layer.weight")
+        if not base_linear or p.trainable[i]:
+            continue
+        w = torch.randn(int(p.numel[i]), dtype=torch.bfloat16)
+        packed, state = bnb_functional.quantize_4bit(w, blocksize=64, compress_statistics=double_quant,
+                                                     quant_type=quant_type)
+        tensors = [packed, state.absmax, state.code]
+        if double_quant:
+            tensors += [state.state2.absmax, state.state2.code, state.offset]
+        expected = sum(t.untyped_storage().nbytes() for t in tensors)
+        assert t4.nbytes[rows[i]] == expected, name
+        checked += 1
+    assert checked == 2 * 7  # q, k, v, o, gate, up, down in each of 2 layers
+    head = p.names.index("base_model.model.lm_head.weight")
+    assert t4.nbytes[rows[head]] == 2 * p.numel[head]  # lm_head stays 16-bit
+    # the adapters, their gradients and the loss path are the same as in the 16-bit LoRA trace
+    g4, g16 = t4.nbytes[t4.kind == Kind.GRAD], t16.nbytes[t16.kind == Kind.GRAD]
+    assert sorted(g4.tolist()) == sorted(g16.tolist())
+    assert t4.live_curve().max() < t16.live_curve().max()
