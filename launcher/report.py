@@ -19,6 +19,10 @@ def candidate_to_dict(c: Candidate, capacity_bytes: int) -> dict:
         "micro_batch_size": c.micro_batch_size,
         "grad_accum_steps": c.grad_accum_steps,
         "trains": c.trains,
+        "trains_label": trains_label(c),
+        "peft": c.peft,
+        "gradient_checkpointing": c.gradient_checkpointing,
+        "num_trainable_params": c.num_trainable_params,
         "fits": c.fits,
         "reason": c.reason,
         "memory": {
@@ -34,6 +38,15 @@ def candidate_to_dict(c: Candidate, capacity_bytes: int) -> dict:
         "speed": {"step_s": s.step_s, "tokens_per_s": s.tokens_per_s, "compute_s": s.compute_s,
                   "comm_s": s.comm_s, "breakdown": dict(s.breakdown)},
     }
+
+
+def trains_label(c: Candidate) -> str:
+    """What a candidate trains, as the table shows it: 'full', 'lora r=8', 'qlora nf4 r=16',
+    with ' +ckpt' when it recomputes activations (gradient checkpointing)."""
+    p = c.peft
+    what = "full" if not p else (f"lora r={p['r']}" if not p.get("quant_type")
+                                 else f"qlora {p['quant_type']} r={p['r']}")
+    return what + (" +ckpt" if c.gradient_checkpointing else "")
 
 
 def plan_to_dict(plan: Plan, capacity_bytes: int) -> dict:
@@ -52,39 +65,72 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.2f}"
 
 
+def strategy_label(c: Candidate) -> str:
+    """Strategy name with its model-parallel sizes (cai_tp tp=2, cai_pp pp=4)."""
+    sizes = [f"{k}={v}" for k, v in (("tp", c.strategy.tp_size), ("pp", c.strategy.pp_size)) if v > 1]
+    return " ".join([c.strategy.name, *sizes])
+
+
+def shown_rows(plan: Plan) -> list[int]:
+    """The rows a person needs: per strategy layout and training variant, its fastest candidate
+    that fits and its first that does not (the rest are in plan.json)."""
+    keep: dict[tuple, list[int]] = {}
+    for i, c in enumerate(plan.candidates):
+        group = (strategy_label(c), trains_label(c), c.fits)
+        keep.setdefault(group, []).append(i)
+    rows = {idx[0] for idx in keep.values()}  # candidates are ranked fastest first
+    if plan.chosen is not None:
+        rows.add(plan.chosen)
+    return sorted(rows)
+
+
 def print_plan(plan: Plan, capacity_bytes: int, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console(width=180)
+    console = console or Console(width=200)
     n = plan.model.get("num_params")
-    title = (f"{plan.model['name']} ({n / 1e9:.2f}B params) on {plan.gpus} x {plan.hardware}"
-             f"{f' over {plan.nodes} nodes' if plan.nodes > 1 else ''}: {gib(capacity_bytes)} GiB per GPU"
-             if n else f"{plan.model['name']} on {plan.gpus} x {plan.hardware}")
+    k = plan.model.get("num_trainable_params")
+    trainable = f", {k:,} trainable" if k is not None and k != n else ""
+    peak = max((c.memory.device_total_bytes for c in plan.candidates), default=0)
+    unit, scale = ("GiB", 2**30) if max(peak, capacity_bytes) >= 2**30 else ("MiB", 2**20)
+    fmt = lambda v: f"{v / scale:.2f}"  # noqa: E731
+    size = f"{n / 1e9:.2f}B" if n and n >= 1e8 else f"{(n or 0) / 1e6:.2f}M"
+    title = (f"{plan.model['name']} ({size} params{trainable}) on {plan.gpus} x {plan.hardware}"
+             f"{f' over {plan.nodes} nodes' if plan.nodes > 1 else ''}: {fmt(capacity_bytes)} {unit} per GPU")
     table = Table(title=title, show_lines=False, pad_edge=False, box=None, header_style="bold")
-    for col, just in (("#", "right"), ("strategy", "left"), ("micro", "right"), ("accum", "right"),
-                      ("total", "right"), ("alloc", "right"), ("params", "right"), ("grads", "right"),
-                      ("optim", "right"), ("activ", "right"), ("buffers", "right"), ("runtime", "right"),
-                      ("host", "right"), ("tokens/s", "right"), ("verdict", "left")):
+    for col, just in (("#", "right"), ("strategy", "left"), ("trains", "left"), ("micro", "right"),
+                      ("accum", "right"), ("total", "right"), ("alloc", "right"), ("params", "right"),
+                      ("grads", "right"), ("optim", "right"), ("activ", "right"), ("buffers", "right"),
+                      ("runtime", "right"), ("host", "right"), ("tokens/s", "right"), ("verdict", "left")):
         table.add_column(col, justify=just, overflow="fold")
-    for i, c in enumerate(plan.candidates):
+    rows = shown_rows(plan)
+    for i in rows:
+        c = plan.candidates[i]
         b = c.memory.breakdown
         style = "bold green" if i == plan.chosen else (None if c.fits else "red")
-        table.add_row(str(i), c.strategy.name, str(c.micro_batch_size), str(c.grad_accum_steps),
-                      gib(c.memory.device_total_bytes), gib(c.memory.peak_allocated_bytes),
-                      *(gib(b.get(k, 0)) for k in BREAKDOWN_KEYS), gib(c.memory.host_bytes),
+        table.add_row(str(i), strategy_label(c), trains_label(c), str(c.micro_batch_size), str(c.grad_accum_steps),
+                      fmt(c.memory.device_total_bytes), fmt(c.memory.peak_allocated_bytes),
+                      *(fmt(b.get(k, 0)) for k in BREAKDOWN_KEYS), fmt(c.memory.host_bytes),
                       f"{c.speed.tokens_per_s:,.0f}", "CHOSEN: fastest that fits" if i == plan.chosen else c.reason,
                       style=style)
     console.print(table)
-    console.print("GiB per GPU on the worst rank. total = device total as nvidia-smi shows it (peak reserved + "
+    hidden = len(plan.candidates) - len(rows)
+    if hidden:
+        console.print(f"{hidden} more candidates (other micro-batch sizes of the same strategies) are in "
+                      "plan.json; report=json prints every one.")
+    console.print("trains = what a candidate changes: 'full' fine-tuning, or LoRA/QLoRA adapters on a frozen "
+                  "base (peft; +ckpt = gradient checkpointing).")
+    console.print(f"{unit} per GPU on the worst rank. total = device total as nvidia-smi shows it (peak reserved + "
                   "CUDA context + NCCL); alloc = max_memory_allocated; params..runtime = breakdown at the peak; "
                   "host = offloaded bytes per rank.")
     for note in plan.notes:
         console.print(f"note: {note}")
     if plan.chosen is not None:
         c = plan.candidates[plan.chosen]
-        console.print(f"[bold]chosen:[/bold] #{plan.chosen} {c.strategy.name}, micro_batch_size={c.micro_batch_size}, "
-                      f"grad_accum_steps={c.grad_accum_steps}: {gib(c.memory.device_total_bytes)} GiB per GPU, "
+        console.print(f"[bold]chosen:[/bold] #{plan.chosen} {strategy_label(c)} ({trains_label(c)}, "
+                      f"{c.num_trainable_params:,} trainable parameters), micro_batch_size={c.micro_batch_size}, "
+                      f"grad_accum_steps={c.grad_accum_steps}: {fmt(c.memory.device_total_bytes)} {unit} per GPU, "
                       f"{c.speed.tokens_per_s:,.0f} tokens/s")
         for note in c.memory.notes:
             console.print(f"  assumption: {note}")
