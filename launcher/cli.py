@@ -40,18 +40,90 @@ def group_options(group: str) -> list[str]:
 
 def prepare_argv(argv: list[str]) -> list[str]:
     """Validate the overrides by composing them, and add detected defaults (hardware)."""
+    import launcher.config  # noqa: F401  (registers launcher_schema; a -m sweep composes only in Hydra)
+    from launcher import fallback, recipes
+
+    if any(a.partition("=")[0] == "recipe_from" for a in argv):  # export a finished run as a recipe
+        from launcher import recipe_export
+
+        recipe_export.main(argv)
+        raise SystemExit(0)
+    check_override_syntax(argv)
     notes: list[str] = []
-    if not any(a.split("=", 1)[0].lstrip("+~") == "hardware" for a in argv):
+    argv = fallback.resume_argv(argv)  # resume=<run dir>: that run's overrides; never reuse a run dir
+    check_group_values(argv)
+    argv = translate_hardware(argv)
+    argv, recipe_groups = recipes.translate_argv(argv)  # recipe=NAME: a checked copy on the search path
+    if "mode=calibrate" in argv and not any(a.split("=", 1)[0] == "model" for a in argv):
+        argv = [*argv, "model=tiny-llama"]  # the schema requires a model; calibration does not use it
+    if "hardware" not in recipe_groups and not any(a.split("=", 1)[0].lstrip("+~") == "hardware" for a in argv):
         hw, note = detect_hardware()
         argv = [*argv, f"hardware={hw}"]
         notes.append(note)
     if "-m" not in argv and "--multirun" not in argv:
         from launcher.app import model_spec
 
-        model_spec(compose(argv))  # raises on any bad key, value or model
+        config = compose(argv)
+        if config.mode.name != "calibrate":  # calibration measures the machine, not a model
+            model_spec(config)  # raises on any bad key, value or model
+        if isinstance(config.resume, str):
+            fallback.check_resume(config)
     for n in notes:
         print(f"note: {n}", file=sys.stderr)
     return argv
+
+
+_OVERRIDE = re.compile(r"^(~|\+{1,2})?[A-Za-z_][\w.\-@/]*(=.*)?$")
+
+
+def check_override_syntax(argv: list[str]) -> None:
+    """Every argument is a flag (-m, --multirun, ...) or a Hydra override `key=value`."""
+    for a in argv:
+        if a.startswith("-"):
+            continue
+        if not _OVERRIDE.match(a) or ("=" not in a and not a.startswith("~")):
+            raise ConfigError(f"'{a}' is not an override; overrides look like key=value, e.g. gpus=4")
+
+
+def check_group_values(argv: list[str]) -> None:
+    """A config-group override (model=, hardware=) must name a file of its group; Hydra raises a
+    bare ValueError for some values (e.g. model=null)."""
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        group = key.lstrip("+~")
+        if (group in GROUPS and value not in group_options(group) and not key.startswith("~")
+                and not value.endswith((".yaml", ".yml"))):
+            raise ConfigError(f"{group}={value}: no such {group}{did_you_mean(value, group_options(group))}; "
+                              f"valid choices: {', '.join(group_options(group))}")
+
+
+def translate_hardware(argv: list[str]) -> list[str]:
+    """`hardware=PATH.yaml` (a profile file, e.g. the one mode=calibrate writes) -> `hardware=NAME`
+    plus `hydra.searchpath=[file://ROOT]` with the file at ROOT/hardware/NAME.yaml: Hydra finds
+    config-group options only under its search-path roots (https://hydra.cc/docs/advanced/search_path/).
+    A file not in a `hardware/` directory, or whose name shadows a catalogue profile (the catalogue
+    comes first in the search path), is copied to a fresh ROOT under a free name."""
+    import shutil
+    import tempfile
+
+    out = []
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key != "hardware" or not value.endswith((".yaml", ".yml")):
+            out.append(arg)
+            continue
+        path = Path(value).expanduser().resolve()
+        if not path.is_file():
+            raise ConfigError(f"hardware={value}: no such file; give a profile name "
+                              f"({', '.join(group_options('hardware'))}) or a YAML file written by mode=calibrate")
+        name, root = path.stem, path.parent.parent
+        if path.parent.name != "hardware" or name in group_options("hardware"):
+            name = name if name not in group_options("hardware") else f"{name}-file"
+            root = Path(tempfile.mkdtemp(prefix="launcher-hw-"))
+            (root / "hardware").mkdir()
+            shutil.copyfile(path, root / "hardware" / f"{name}.yaml")
+        out += [f"hardware={name}", f"hydra.searchpath=[file://{root}]"]
+    return out
 
 
 def detect_hardware() -> tuple[str, str]:
@@ -68,10 +140,11 @@ def compose(argv: list[str]):
 
     from launcher.app import to_config
 
-    overrides = [a for a in argv if not a.startswith("-") and not a.startswith("hydra.")]
+    overrides = [a for a in argv if not a.startswith("-")
+                 and (not a.startswith("hydra.") or a.startswith("hydra.searchpath="))]
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = hydra_compose("config", overrides=overrides)
-    return to_config(cfg)
+    return to_config(cfg, argv=overrides)
 
 
 def explain(err: BaseException) -> str | None:

@@ -6,6 +6,7 @@ step under fake tensors) is memoised per trace key inside launcher.trace.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 from launcher.config import LauncherConfig
@@ -23,12 +24,80 @@ STRATEGIES: dict[str, Strategy] = {
     "zero2_offload": Strategy("zero2_offload", "deepspeed", zero_stage=2, offload_optimizer=True),
     "zero3_offload": Strategy("zero3_offload", "deepspeed", zero_stage=3, offload_optimizer=True,
                               offload_params=True),
+    # ColossalAI plugins (launcher/emit/colossalai.py); cai_tp / cai_pp sizes come from
+    # `colossalai_layouts` (these entries are their templates)
+    "cai_ddp": Strategy("cai_ddp", "colossalai"),
+    "cai_zero1": Strategy("cai_zero1", "colossalai", zero_stage=1),
+    "cai_zero2": Strategy("cai_zero2", "colossalai", zero_stage=2),
+    "cai_gemini": Strategy("cai_gemini", "colossalai", zero_stage=3),
+    "cai_tp": Strategy("cai_tp", "colossalai", tp_size=2),
+    "cai_pp": Strategy("cai_pp", "colossalai", pp_size=2),
 }
 
 
-def strategies_for(config: LauncherConfig) -> list[Strategy]:
+def strategies_for(config: LauncherConfig, spec: ModelSpec | None = None) -> list[Strategy]:
+    """The strategies to plan; with a model spec, cai_tp / cai_pp expand into their valid
+    DP x TP x PP layouts (`colossalai_layouts`)."""
     name = config.strategy.name
-    return list(STRATEGIES.values()) if name == "auto" else [STRATEGIES[name]]
+    chosen = list(STRATEGIES.values()) if name == "auto" else [STRATEGIES[name]]
+    if spec is None:
+        return chosen
+    out: list[Strategy] = []
+    for s in chosen:
+        out += colossalai_layouts(s, config, spec) if s.name in ("cai_tp", "cai_pp") else [s]
+    return out
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tp_sizes(config: LauncherConfig, spec: ModelSpec) -> list[int]:
+    """Tensor-parallel sizes > 1 that divide the GPUs of a node (TP all-reduces run every layer,
+    on the intra-node link) and the attention and KV heads (the shardformer policies assert
+    both: colossalai/shardformer/policies/llama.py `module_policy`)."""
+    per_node = config.gpus // max(1, config.nodes)
+    return [t for t in divisors(per_node) if t > 1 and spec.num_attention_heads % t == 0
+            and spec.num_key_value_heads % t == 0]
+
+
+def pp_sizes(config: LauncherConfig, spec: ModelSpec) -> list[int]:
+    """Pipeline sizes > 1 that divide the GPUs and the decoder layers (equal stages)."""
+    return [p for p in divisors(config.gpus) if p > 1 and spec.num_layers % p == 0]
+
+
+def colossalai_layouts(template: Strategy, config: LauncherConfig, spec: ModelSpec) -> list[Strategy]:
+    """cai_tp: every valid tp_size (or the given one) with colossalai.zero_stage on the DP
+    dimension; cai_pp: every valid pp_size (or the given one) x (tp 1 or a valid tp_size), so
+    DP x TP x PP combinations are all candidates. Explicit sizes that are invalid are a ConfigError."""
+    from launcher.trace import TP_SHARDABLE
+
+    cai = config.colossalai
+    tps, pps = tp_sizes(config, spec), pp_sizes(config, spec)
+    if spec.model_type not in TP_SHARDABLE:  # the traced TP shard is a smaller config (trace.py)
+        if cai.tp_size not in (None, 1) or config.strategy.name == "cai_tp":
+            raise ConfigError(f"strategy={template.name}: tensor parallelism is estimated for model types "
+                              f"{', '.join(TP_SHARDABLE)}, not {spec.model_type}; use colossalai.tp_size=1 with cai_pp")
+        tps = []
+    if cai.tp_size is not None and cai.tp_size != 1 and cai.tp_size not in tps:
+        raise ConfigError(f"colossalai.tp_size={cai.tp_size} must divide gpus per node "
+                          f"({config.gpus // max(1, config.nodes)}), num_attention_heads ({spec.num_attention_heads}) "
+                          f"and num_key_value_heads ({spec.num_key_value_heads}); valid: {tps or 'none'}")
+    if cai.pp_size is not None and cai.pp_size != 1 and cai.pp_size not in pps:
+        raise ConfigError(f"colossalai.pp_size={cai.pp_size} must divide gpus ({config.gpus}) and the "
+                          f"{spec.num_layers} layers; valid: {pps or 'none'}")
+    if cai.zero_stage not in (0, 1, 2):
+        raise ConfigError(f"colossalai.zero_stage={cai.zero_stage}; use 0, 1 or 2")
+    if template.name == "cai_tp":
+        sizes = [cai.tp_size] if cai.tp_size not in (None, 1) else tps
+        return [replace(template, tp_size=t, zero_stage=cai.zero_stage) for t in sizes]
+    stage = min(cai.zero_stage, 1)  # hybrid_parallel_plugin.py: ZeRO-2 is not compatible with pp
+    out = []
+    for p in ([cai.pp_size] if cai.pp_size not in (None, 1) else pps):
+        for t in ([cai.tp_size] if cai.tp_size is not None else [1, *tps]):
+            if config.gpus % (t * p) == 0:
+                out.append(replace(template, pp_size=p, tp_size=t, zero_stage=stage))
+    return out
 
 
 def micro_batch_sizes(config: LauncherConfig, dp: int) -> list[int]:
@@ -65,27 +134,84 @@ def workload(config: LauncherConfig, spec: ModelSpec, micro: int) -> Workload:
                     attn_implementation=effective_attention(spec, t.attn_implementation.name)[0])
 
 
-def unsupported(strategy: Strategy, config: LauncherConfig, cluster: Cluster) -> str:
+def unsupported(strategy: Strategy, config: LauncherConfig, cluster: Cluster, spec: ModelSpec | None = None) -> str:
     """Why this strategy cannot be a candidate here, or ''."""
+    from launcher.trace import TP_SHARDABLE
+
+    if strategy.tp_size > 1 and spec is not None and spec.model_type not in TP_SHARDABLE:
+        return (f"tensor-parallel memory is traced on a shard config, which exists for {', '.join(TP_SHARDABLE)}, "
+                f"not {spec.model_type}")
     from launcher.memory import deepspeed_support_problem
 
     if cluster.device == "cpu" and (strategy.offload_optimizer or strategy.offload_params):
         return "offload moves states to host memory, which on CPU processes is the same memory"
     if strategy.backend == "deepspeed":
-        return deepspeed_support_problem(strategy, config.training.precision.name)
+        return deepspeed_support_problem(strategy, config.training.precision.name, cluster.device)
+    if strategy.backend == "colossalai":
+        return colossalai_support_problem(strategy, config, cluster)
     return ""
 
 
-def traced(config: LauncherConfig, spec: ModelSpec, strategy: Strategy, wl: Workload):
-    """The TraceSet this strategy's memory model needs (memoised and cached on disk by trace)."""
-    from launcher import memory, trace
+COLOSSALAI_CPU_COMPAT_ENV = "LAUNCHER_COLOSSALAI_TEST_PRELOAD"  # launcher/worker/colossalai_backend.py
 
-    key = trace.TraceKey(hf_config_json=trace.canonical_config_json(spec.hf_config),
-                         num_layers=spec.num_layers, micro_batch_size=wl.micro_batch_size,
-                         seq_len=wl.seq_len, attn_implementation=wl.attn_implementation,
-                         gradient_checkpointing=wl.gradient_checkpointing,
-                         **memory.trace_request(strategy, wl))
+
+def launch_problem(strategy: Strategy) -> str:
+    """Why a candidate that fits cannot be launched with the installed libraries, or ''. It stays in
+    the plan as an estimate but is never chosen."""
+    if strategy.backend == "colossalai" and (strategy.tp_size > 1 or strategy.pp_size > 1):
+        import transformers
+
+        if int(transformers.__version__.split(".")[0]) >= 5:
+            return (f"ColossalAI 0.5.0's shardformer policies target transformers 4.51 (its pinned version) and "
+                    f"fail with transformers {transformers.__version__}: estimate only")
+    return ""
+
+
+def colossalai_support_problem(strategy: Strategy, config: LauncherConfig, cluster: Cluster) -> str:
+    """Why a ColossalAI strategy cannot run here, or ''."""
+    import importlib.util
+
+    from launcher.emit.colossalai import plugin_precision
+
+    if importlib.util.find_spec("colossalai") is None:
+        return "ColossalAI is not installed (optional: scripts/setup installs it unless LAUNCHER_SKIP_COLOSSALAI=1)"
+    precision = config.training.precision.name
+    if strategy.name != "cai_ddp":
+        try:
+            plugin_precision(strategy, precision)
+        except ConfigError as err:
+            return str(err)
+    if cluster.device == "cpu" and not os.environ.get(COLOSSALAI_CPU_COMPAT_ENV):
+        return ("ColossalAI's CPU accelerator leaves RNG, stream and memory-statistics methods unimplemented; "
+                f"on CPU it runs only under the test compatibility layer ({COLOSSALAI_CPU_COMPAT_ENV})")
+    if cluster.device == "cpu" and strategy.name in ("cai_gemini", "cai_pp"):
+        return ("GeminiPlugin has no CPU path (fp32 unsupported, bf16 chunk handling fails)"
+                if strategy.name == "cai_gemini" else "the 1F1B pipeline schedule is not validated on CPU processes")
+    if strategy.name in ("cai_tp", "cai_pp") and config.gpus < 2:
+        return "tensor/pipeline parallelism needs gpus >= 2"
+    return ""
+
+
+def traced(config: LauncherConfig, spec: ModelSpec, strategy: Strategy, wl: Workload, lora=None):
+    """The TraceSet this strategy's memory model needs (memoised and cached on disk by trace);
+    `lora` (launcher.peft.LoraSettings): trace the peft model that trains adapters."""
+    from launcher import trace
+
+    key = trace_key(spec, strategy, wl, lora)
     return trace.trace_set(key, spec.num_layers, cache_dir=config.cache_dir)
+
+
+def trace_key(spec: ModelSpec, strategy: Strategy, wl: Workload, lora=None):
+    """The `TraceKey` of the step this strategy's memory model needs."""
+    from launcher import memory, trace
+    from launcher.peft import trace_fields
+
+    request = memory.trace_request(strategy, wl)
+    request.update(trace_fields(lora, strategy.backend, request))
+    return trace.TraceKey(hf_config_json=trace.canonical_config_json(spec.hf_config),
+                          num_layers=spec.num_layers, micro_batch_size=wl.micro_batch_size,
+                          seq_len=wl.seq_len, attn_implementation=wl.attn_implementation,
+                          gradient_checkpointing=wl.gradient_checkpointing, **request)
 
 
 def model_numbers(traces) -> dict:
@@ -101,20 +227,36 @@ def model_numbers(traces) -> dict:
 
 
 def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy: Strategy,
-             micro: int) -> tuple[Candidate, dict]:
-    """Estimate one candidate's memory and speed from the traced step."""
+             micro: int, variant=None) -> tuple[Candidate, dict]:
+    """Estimate one candidate's memory and speed from the traced step; `variant`
+    (launcher.peft.TrainingVariant): what it trains (default: what the config asks)."""
     from launcher import memory, speed
+    from launcher.peft import TrainingVariant
+    from launcher.trace import trace_notes
 
     dp = cluster.num_gpus // (strategy.tp_size * strategy.pp_size)
-    wl = workload(config, spec, micro)
-    traces = traced(config, spec, strategy, wl)
+    variant = variant or TrainingVariant("full", None, config.training.gradient_checkpointing)
+    wl = replace(workload(config, spec, micro), gradient_checkpointing=variant.gradient_checkpointing)
+    traces = traced(config, spec, strategy, wl, variant.lora)
     numbers = model_numbers(traces)
     accum = grad_accum(config, micro, dp)
-    mem = memory.estimate_memory(traces, strategy, wl, cluster, config.deepspeed, config.ddp, dp)
+    if strategy.pp_size > 1:  # the step's micro-batches are the 1F1B micro-batches
+        from launcher.emit.colossalai import num_microbatches
+
+        m = num_microbatches(config.colossalai, strategy.pp_size)
+        if config.training.global_batch_size is None:
+            accum = m
+        elif accum % m:
+            raise ConfigError(f"strategy=cai_pp: gradient accumulation {accum} is not a multiple of "
+                              f"colossalai.num_microbatches={m}; change training.global_batch_size")
+    mem = memory.estimate_memory(traces, strategy, wl, cluster, config.deepspeed, config.ddp, dp,
+                                 cai=config.colossalai)
+    mem = replace(mem, notes=tuple(mem.notes) + trace_notes(trace_key(spec, strategy, wl, variant.lora)))
     flops = {k: traces.at_depth(lambda t, k=k: t.flops[k]) for k in ("forward", "backward")}
     spd = speed.estimate_speed(flops, strategy, wl, cluster, num_params=numbers["num_params"],
                                num_trainable_params=numbers["num_trainable_params"], grad_accum_steps=accum,
-                               dp_size=dp, ds=config.deepspeed, ddp=config.ddp)
+                               dp_size=dp, ds=config.deepspeed, ddp=config.ddp, cai=config.colossalai,
+                               spec=spec, counts=step_counts(traces, config))
     usable = int(cluster.memory_bytes * (1 - config.planner.safety_margin))
     fits_device = mem.device_total_bytes <= usable
     host_need = mem.host_bytes * cluster.gpus_per_node
@@ -126,7 +268,17 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
         reason = f"host RAM: offload needs {gib(host_need)} per node > {gib(cluster.host_memory_bytes)}"
     else:
         reason = "fits"
-    return Candidate(strategy, micro, accum, mem, spd, fits_device and fits_host, reason), numbers
+    return Candidate(strategy, micro, accum, mem, spd, fits_device and fits_host, reason, trains=variant.trains,
+                     peft=variant.lora.to_dict() if variant.lora else None,
+                     gradient_checkpointing=variant.gradient_checkpointing,
+                     num_trainable_params=numbers["num_trainable_params"]), numbers
+
+
+def step_counts(traces, config: LauncherConfig):
+    """Op counts and bytes of the traced step for the host-time terms (launcher/host_time.py)."""
+    from launcher.host_time import step_counts as counts
+
+    return counts(traces, config.deepspeed.stage3_param_persistence_threshold)
 
 
 def largest_term(breakdown: dict) -> str:
@@ -136,16 +288,24 @@ def largest_term(breakdown: dict) -> str:
 
 
 def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster) -> Plan:
-    """All candidates; per strategy the micro-batch search stops at the first one that does not fit."""
+    """All candidates; per strategy (and training variant: full or adapters, gradient checkpointing,
+    launcher.peft.training_variants) the micro-batch search stops at the first one that does not fit.
+    Candidates that train what was asked (full fine-tuning unless a peft method is chosen) rank
+    before those that would train something else, whatever their speed."""
+    from launcher.peft import training_variants, variant_problem
+
     candidates: list[Candidate] = []
     notes: list[str] = []
     numbers: dict = {}
-    for strategy in strategies_for(config):
-        why = unsupported(strategy, config, cluster)
+    variants = training_variants(config, cluster.device)
+    pairs = [(s, v) for v in variants for s in strategies_for(config, spec)]
+    for strategy, variant in pairs:
+        why = (unsupported(strategy, config, cluster, spec) or variant_problem(variant, strategy, cluster.device))
         if why:
             if config.strategy.name != "auto":
                 raise ConfigError(f"strategy={strategy.name}: {why}")
-            notes.append(f"{strategy.name} not planned: {why}")
+            notes.append(f"{strategy.name}{'' if len(variants) == 1 else ' (' + variant.label + ')'} "
+                         f"not planned: {why}")
             continue
         dp = cluster.num_gpus // (strategy.tp_size * strategy.pp_size)
         micros = micro_batch_sizes(config, dp)
@@ -153,30 +313,46 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster) -> Plan:
             raise ConfigError(f"training.global_batch_size={config.training.global_batch_size} is not divisible by "
                               f"any micro-batch x data-parallel size {dp}; use a multiple of {dp}")
         for micro in micros:
-            cand, numbers = evaluate(config, spec, cluster, strategy, micro)
+            cand, numbers = evaluate(config, spec, cluster, strategy, micro, variant)
             candidates.append(cand)
             if not cand.fits:
                 break
-    ranked = sorted(candidates, key=lambda c: (not c.fits, -c.speed.tokens_per_s, c.memory.device_total_bytes))
-    chosen = next((i for i, c in enumerate(ranked) if c.fits), None)
-    ranked = [explain_loss(c, ranked[chosen]) if chosen is not None and i != chosen else c
+    asked = variants[0].trains
+    ranked = sorted(candidates, key=lambda c: (not c.fits, c.trains != asked, -c.speed.tokens_per_s,
+                                               c.memory.device_total_bytes))
+    chosen = next((i for i, c in enumerate(ranked) if c.fits and not launch_problem(c.strategy)), None)
+    ranked = [explain_loss(c, ranked[chosen] if chosen is not None else None) if i != chosen else c
               for i, c in enumerate(ranked)]
     notes += plan_notes(config, cluster, chosen)
     from launcher.model import effective_attention
 
     attn_note = effective_attention(spec, config.training.attn_implementation.name)[1]
     notes += [attn_note] if attn_note else []
+    if chosen is not None:  # the trainable count of what the chosen candidate trains
+        numbers = {**numbers, "num_trainable_params": ranked[chosen].num_trainable_params}
+        if ranked[chosen].trains != asked:
+            notes.append(f"no candidate that trains {asked} fits: the chosen one trains "
+                         f"{ranked[chosen].trains} ({ranked[chosen].num_trainable_params:,} parameters), "
+                         "allowed by training.allow_peft")
     model = {"name": spec.name, "model_type": spec.model_type, **numbers,
              "num_layers": spec.num_layers, "hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size}
     return Plan(model=model, hardware=cluster.hardware, gpus=cluster.num_gpus, nodes=cluster.num_nodes,
                 candidates=tuple(ranked), chosen=chosen, notes=tuple(notes))
 
 
-def explain_loss(c: Candidate, best: Candidate) -> Candidate:
+def explain_loss(c: Candidate, best: Candidate | None) -> Candidate:
     """Say why a fitting candidate lost against the chosen one."""
     if not c.fits:
         return c
+    why = launch_problem(c.strategy)
+    if why:
+        return replace(c, reason=f"fits; not launchable: {why}")
+    if best is None:
+        return c
     ratio = best.speed.tokens_per_s / max(c.speed.tokens_per_s, 1e-12)
+    if c.trains != best.trains:
+        return replace(c, reason=f"fits; trains {c.trains} instead of {best.trains} "
+                                 f"({'faster' if ratio < 1 else 'slower'}: {1 / ratio:.3f}x the chosen's tokens/s)")
     return replace(c, reason=f"fits; lost on speed: {ratio:.3f}x slower than the chosen")
 
 
@@ -196,6 +372,9 @@ def suggestions(config: LauncherConfig, cluster: Cluster) -> list[str]:
         out.append("offload (strategy=zero3_offload)")
     if not config.training.gradient_checkpointing:
         out.append("gradient checkpointing (training.gradient_checkpointing=true)")
+    if config.peft.method.name == "none" and not config.training.allow_peft:
+        out.append("LoRA adapters instead of full fine-tuning (peft=lora, or training.allow_peft=true "
+                   "to plan both)")
     if config.training.seq_len > 256:
         out.append(f"shorter sequences (training.seq_len={config.training.seq_len // 2})")
     return out

@@ -12,7 +12,6 @@ exactly the next batch.
 from __future__ import annotations
 
 import json
-from importlib import resources
 from pathlib import Path
 from typing import Iterator
 
@@ -26,7 +25,7 @@ DEMO_FILE = "demo.txt"
 
 def demo_path() -> Path:
     """The public-domain English corpus shipped in the package (launcher/data/demo.txt)."""
-    return Path(str(resources.files("launcher").joinpath("data", DEMO_FILE)))
+    return Path(__file__).resolve().parent.parent / "data" / DEMO_FILE
 
 
 def resolve_data_path(data_path: str) -> Path:
