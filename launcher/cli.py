@@ -82,7 +82,7 @@ def check_override_syntax(argv: list[str]) -> None:
         if a.startswith("-"):
             continue
         if not _OVERRIDE.match(a) or ("=" not in a and not a.startswith("~")):
-            raise ConfigError(f"'{a}' is not an override; overrides look like key=value, e.g. gpus=4")
+            raise ConfigError(f"{a!r} is not an override; overrides look like key=value, e.g. gpus=4")
 
 
 def check_group_values(argv: list[str]) -> None:

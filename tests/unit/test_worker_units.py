@@ -255,8 +255,8 @@ def test_main_reports_missing_spec_in_one_line(capsys) -> None:
 def test_unsupported_backend_and_bad_framework_config() -> None:
     from launcher.worker.backends import check_backend
 
-    with pytest.raises(ConfigError, match="backend='colossalai' is not supported by the worker yet"):
-        check_backend(_spec(backend="colossalai", optimizer="adamw_torch"), 2)
+    with pytest.raises(ConfigError, match="backend='jax' is not supported by the worker yet"):
+        check_backend(_spec(backend="jax", optimizer="adamw_torch"), 2)
     with pytest.raises(ConfigError, match=r"\['bucket_size'\] are not DistributedDataParallel arguments"):
         check_backend(_spec(backend="ddp", optimizer="adamw_torch", framework_config={"bucket_size": 1}), 2)
     with pytest.raises(ConfigError, match="optimizer='adafactor'"):
