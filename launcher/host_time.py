@@ -1,0 +1,169 @@
+"""Host-side time of a training step: what FLOPs do not count. On CPU processes it is most of the
+step of a small model; on a GPU only op dispatch matters, and only when it outruns the kernels.
+
+Terms, per optimizer step (inputs from the traced step, `step_counts`; rates from the hardware
+profile, measured by mode=calibrate, launcher/calibrate.py):
+1. dispatch: every op the traced forward, backward and (traced torch) optimizer allocate an
+   output for costs `op_overhead_s` (Python, dispatcher, allocator, autograd node). The number
+   of storages the trace allocates is the op count (an in-place op allocates nothing and is
+   missed; a view is not an allocation: a lower bound).
+2. activation traffic: every byte the forward and backward allocate is a fresh output of a
+   memory-bound op, produced at `elementwise_gbps` (calibrated with a chain of elementwise ops
+   on fresh outputs: on CPU, first-touch page faults of new allocations cost more than the
+   arithmetic; default memory_bandwidth_gbps / 3: two inputs read, one output written).
+3. optimizer: foreach AdamW (torch/optim/adam.py `_multi_tensor_adam`, weight decay 0, no
+   amsgrad) touches each element 19 times: lerp_(m, g) 3, mul_(v) 2, addcmul_(v, g, g) 4,
+   sqrt 2, div_ 2, add_(eps) 2, addcdiv_(p, m, d) 4; gradient clipping (clip_grad_norm_: a norm
+   read, then a scaling mul_) 3 more. Over all trainable elements for DDP and ZeRO-0, over the
+   rank's partition for ZeRO-1/2/3, in the master dtype.
+4. framework copies (memory-bound): ZeRO-1/2 copy each gradient into the reduction bucket and
+   the bucket into the partition (deepspeed/runtime/zero/stage_1_and_2.py
+   `reduce_independent_p_g_buckets_and_remove_grads`, `copy_grads_in_partition`) and, after the
+   step, the master partition into the 16-bit flat buffer (`_optimizer_step` ->
+   `bit16_partitions[...].data.copy_`); ZeRO-0 flattens the gradients for the all-reduce and
+   copies them back (engine.py `allreduce_and_copy`); ZeRO-3 copies gradients into its partition
+   (stage3.py `__add_grad_to_ipg_bucket`, `partition_grads`) and the master into the 16-bit
+   partition. DDP with gradient_as_bucket_view writes gradients in its buckets: no copy.
+5. collectives, fully exposed on CPU (gloo's threads share the cores with compute): per call
+   `collective_latency_s`, plus the bus bytes at the calibrated bandwidth (all-gather at
+   `all_gather_bandwidth_gbps`: gloo's all-gather is several times slower than its all-reduce).
+   Calls: DDP one all-reduce per bucket (the first bucket holds 1 MiB,
+   torch.distributed `_DEFAULT_FIRST_BUCKET_BYTES`, then `bucket_cap_mb`) and one buffer
+   broadcast per forward (broadcast_buffers=True); DeepSpeed one reduction per
+   `reduce_bucket_size` elements; ZeRO-1/2 one all-gather per `allgather_bucket_size` elements
+   of the partition after the step; ZeRO-3 one all-gather per module with a parameter above
+   `stage3_param_persistence_threshold` in forward (kept gathered for backward, as
+   launcher/memory/zero3.py `gathered_param_bytes` finds by default); ZeRO 1-3 steps add two
+   small all-reduces (ZERO_STEP_COLLECTIVES); the worker's loss all-reduce and per-step
+   all_gather_object (launcher/worker/train.py) are two more.
+6. ZeRO-3 module hooks: DeepSpeed wraps every module with parameters in pre/post forward and
+   backward hooks (deepspeed/runtime/zero/parameter_offload.py `_register_deepspeed_module`)
+   that run Python bookkeeping even when nothing is gathered; each of the 4 hook calls per
+   module costs ZERO3_HOOK_OPS dispatched ops (assumption, see the constant).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from launcher.types import Cluster, Strategy, Workload
+
+GB = 1e9
+MIB = 2**20
+ADAMW_ACCESSES_PER_ELEM = 19
+CLIP_ACCESSES_PER_ELEM = 3
+DDP_FIRST_BUCKET_BYTES = 1 * MIB
+WORKER_COLLECTIVES_PER_STEP = 2
+ZERO_STEP_COLLECTIVES = 2
+"""ZeRO 1-3 `step` all-reduces an overflow flag (stage_1_and_2.py / stage3.py `check_overflow`) and
+the squared gradient norm (`scaled_global_norm`) over the data-parallel group."""
+ZERO3_HOOK_OPS = 20
+"""Dispatched-op equivalents of one DeepSpeed ZeRO-3 module hook call (assumption: each hook walks
+the module's parameters, updates the trace/prefetch coordinator and checks states, a few dozen
+Python calls; the value makes ZeRO-3's measured overhead on the tiny Llama, all parameters
+persistent, about right, see docs/accuracy.md)."""
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """Per micro-batch, at the real depth, from the traced step (`step_counts`)."""
+
+    forward_ops: float
+    backward_ops: float
+    optimizer_ops: float  # storages the traced torch optimizer allocates (0 if not traced)
+    activation_bytes: float  # bytes the forward and backward allocate
+    num_modules: float  # modules owning parameters
+    gathered_modules: float  # ZeRO-3: modules with a parameter above the persistence threshold
+    gathered_numel: float  # ZeRO-3: elements of the parameters above the persistence threshold
+
+
+def step_counts(traces, persistence_threshold: int) -> StepCounts:
+    """Counts of a `TraceSet` extrapolated to full depth (launcher/steptrace.py `at_depth`)."""
+    def allocs(phase, nbytes=False):
+        def fn(t):
+            a, b = t.phases[phase]
+            sel = (t.alloc >= a) & (t.alloc < b)
+            return float(t.nbytes[sel].sum()) if nbytes else float(sel.sum())
+        return traces.at_depth(fn)
+
+    def modules(t, gathered_only=False):
+        names = {}
+        for name, numel in zip(t.params.names, t.params.numel):
+            mod = name.rsplit(".", 1)[0]
+            names[mod] = max(names.get(mod, 0), int(numel))
+        return float(sum(1 for n in names.values() if n > persistence_threshold or not gathered_only))
+
+    return StepCounts(
+        forward_ops=allocs("forward"), backward_ops=allocs("backward"), optimizer_ops=allocs("optimizer"),
+        activation_bytes=allocs("forward", True) + allocs("backward", True),
+        num_modules=traces.at_depth(modules), gathered_modules=traces.at_depth(lambda t: modules(t, True)),
+        gathered_numel=traces.at_depth(lambda t: float(t.params.numel[t.params.numel > persistence_threshold].sum())))
+
+
+def _call_s(num_calls: float, num_bytes: float, factor: float, gbps: float, cluster: Cluster) -> float:
+    return num_calls * cluster.collective_latency_s + (num_bytes * factor / (gbps * GB) if gbps > 0 else 0.0)
+
+
+def comm_s(counts: StepCounts, strategy: Strategy, cluster: Cluster, *, trainable: int, dp: int, accum: int,
+           model_bytes: int, grad_bytes: int, ds, ddp) -> float:
+    """Exposed collective time per optimizer step on CPU (term 5)."""
+    ring = (dp - 1) / dp if dp > 1 else 0.0
+    reduce_gbps = cluster.intra_node_bandwidth_gbps
+    gather_gbps = cluster.all_gather_bandwidth_gbps or reduce_gbps
+    worker_s = WORKER_COLLECTIVES_PER_STEP * cluster.collective_latency_s
+    if dp <= 1:
+        return worker_s
+    grads = trainable * grad_bytes
+    if strategy.backend == "ddp":
+        calls = 1 + max(0, math.ceil((grads - DDP_FIRST_BUCKET_BYTES) / (ddp.bucket_cap_mb * MIB)))
+        return worker_s + _call_s(calls, grads, 2 * ring, reduce_gbps, cluster) + accum * cluster.collective_latency_s
+    reduce_calls = math.ceil(trainable / ds.reduce_bucket_size)
+    if strategy.zero_stage == 0:
+        return worker_s + _call_s(reduce_calls, grads, 2 * ring, reduce_gbps, cluster)
+    per_reduction = _call_s(reduce_calls, grads, ring, reduce_gbps, cluster)
+    worker_s += ZERO_STEP_COLLECTIVES * cluster.collective_latency_s
+    reductions = accum if strategy.zero_stage >= 2 else 1
+    if strategy.zero_stage in (1, 2):
+        part = trainable / dp
+        gather = _call_s(math.ceil(part / ds.allgather_bucket_size), trainable * model_bytes, ring, gather_gbps, cluster)
+        return worker_s + reductions * per_reduction + gather
+    gathered = _call_s(counts.gathered_modules, 0, 0, gather_gbps, cluster)  # bytes: zero3_gather_bytes
+    return worker_s + reductions * per_reduction + accum * gathered
+
+
+def framework_copy_bytes(strategy: Strategy, *, trainable: int, dp: int, accum: int, model_bytes: int,
+                         master_bytes: int) -> float:
+    """Bytes read + written by the framework's own copies per optimizer step (term 4)."""
+    if strategy.backend == "ddp":
+        return 0.0
+    part = trainable / dp
+    if strategy.zero_stage == 0:
+        return accum * 4 * model_bytes * trainable
+    grads_in = accum * 2 * model_bytes * trainable + 2 * model_bytes * part
+    return grads_in + (master_bytes + model_bytes) * part
+
+
+def host_time_s(counts: StepCounts, strategy: Strategy, workload: Workload, cluster: Cluster, *, trainable: int,
+                num_params: int, dp: int, accum: int, model_bytes: int, master_bytes: int, grad_bytes: int,
+                ds, ddp) -> dict:
+    """Seconds per optimizer step of each host term (module docstring), for CPU processes."""
+    mem_bps = cluster.memory_bandwidth_gbps * GB
+    ops = (counts.forward_ops + counts.backward_ops) * accum + counts.optimizer_ops
+    hooks = 4 * counts.num_modules * ZERO3_HOOK_OPS * accum if strategy.zero_stage == 3 and strategy.backend == "deepspeed" else 0.0
+    opt_numel = trainable if strategy.backend == "ddp" or strategy.zero_stage == 0 else trainable / dp
+    accesses = ADAMW_ACCESSES_PER_ELEM if workload.optimizer.startswith("adamw") else 4
+    accesses += CLIP_ACCESSES_PER_ELEM
+    zero3_gather_bytes = (counts.gathered_numel * model_bytes * (dp - 1) / dp * accum
+                          if strategy.zero_stage == 3 and strategy.backend == "deepspeed" else 0.0)
+    gather_gbps = cluster.all_gather_bandwidth_gbps or cluster.intra_node_bandwidth_gbps
+    return {
+        "dispatch_s": (ops + hooks) * cluster.op_overhead_s,
+        "activation_traffic_s": counts.activation_bytes * accum / (
+            (cluster.elementwise_gbps or cluster.memory_bandwidth_gbps / 3) * GB),
+        "optimizer_s": accesses * master_bytes * opt_numel / mem_bps,
+        "framework_copy_s": framework_copy_bytes(strategy, trainable=trainable, dp=dp, accum=accum,
+                                                 model_bytes=model_bytes, master_bytes=master_bytes) / mem_bps,
+        "comm_s": comm_s(counts, strategy, cluster, trainable=trainable, dp=dp, accum=accum, model_bytes=model_bytes,
+                         grad_bytes=grad_bytes, ds=ds, ddp=ddp)
+        + (zero3_gather_bytes / (gather_gbps * GB) if zero3_gather_bytes else 0.0),
+    }

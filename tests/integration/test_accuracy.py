@@ -1,0 +1,44 @@
+"""A fast subset of the accuracy matrix (scripts/accuracy_matrix.py): `mode=measure` through the
+CLI on 2 CPU processes; the estimated per-rank peak must be within 1% of the peak of live tensor
+bytes the allocation tracker measures in the real run, and measure.json must carry the step time
+measured without the tracker."""
+import json
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+SMALL_BUCKETS = ("deepspeed.reduce_bucket_size=200000", "deepspeed.allgather_bucket_size=200000",
+                 "deepspeed.stage3_prefetch_bucket_size=200000")
+# (strategy, precision, gradient checkpointing, timing pass): one cell also runs the timing pass
+# (a third torchrun per cell; the others skip it to keep the test short).
+CELLS = [("ddp", "32-true", False, True), ("zero2", "bf16-mixed", False, False), ("zero3", "32-true", False, False),
+         ("zero1", "32-true", True, False)]
+BOUND_PERCENT = 1.0
+
+
+@pytest.mark.parametrize("strategy,precision,ckpt,timing", CELLS, ids=[f"{c[0]}-{c[1]}-ckpt{c[2]}" for c in CELLS])
+def test_measured_peak_matches_estimate(cli, strategy, precision, ckpt, timing):
+    run_dir = cli.cwd / "run"
+    r = cli("model=tiny-llama", "hardware=cpu", "gpus=2", f"strategy={strategy}", "mode=measure", "report=json",
+            "training.seq_len=128", "training.micro_batch_size=2", f"training.precision={precision}",
+            f"training.gradient_checkpointing={str(ckpt).lower()}", "measure.memory_steps=2",
+            f"measure.timing_steps={2 if timing else 0}", "measure.warmup_steps=1", *SMALL_BUCKETS, f"hydra.run.dir={run_dir}",
+            timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads((run_dir / "measure.json").read_text())
+    assert [row["rank"] for row in result["memory"]] == [0, 1]
+    plan = json.loads((run_dir / "plan.json").read_text())
+    estimated = plan["candidates"][plan["chosen"]]["memory"]["peak_allocated_bytes"]
+    for row in result["memory"]:
+        assert row["estimated_peak_bytes"] == estimated
+        err = 100 * (estimated - row["measured_peak_bytes"]) / row["measured_peak_bytes"]
+        assert abs(err) <= BOUND_PERCENT, (row, err)
+        assert row["error_percent"] == pytest.approx(err)
+    assert ("time" in result) == timing
+    if not timing:
+        return
+    t = result["time"]
+    assert len(t["step_s"]) == 3 and t["measured_step_s"] > 0
+    assert t["measured_step_s"] == pytest.approx(sorted(t["step_s"][1:])[0] / 2 + sorted(t["step_s"][1:])[1] / 2)
+    assert not (run_dir / "memory" / "checkpoints").exists()

@@ -1,0 +1,120 @@
+"""Host-side step time terms (launcher/host_time.py) from their definitions."""
+from dataclasses import replace
+
+import pytest
+
+from launcher.config import DDPConfig, DeepSpeedConfig
+from launcher.host_time import (ADAMW_ACCESSES_PER_ELEM, CLIP_ACCESSES_PER_ELEM, GB, MIB, StepCounts,
+                                WORKER_COLLECTIVES_PER_STEP, ZERO_STEP_COLLECTIVES, comm_s, host_time_s)
+from launcher.speed import estimate_speed
+from launcher.types import Cluster, Strategy, Workload
+
+CPU = Cluster(hardware="cpu", device="cpu", num_gpus=2, num_nodes=1, memory_bytes=2**34, host_memory_bytes=2**35,
+              peak_tflops={"fp32": 0.05, "bf16": 0.1}, matmul_efficiency=1.0, memory_bandwidth_gbps=6.0,
+              intra_node_bandwidth_gbps=1.0, inter_node_bandwidth_gbps=1.0, host_link_bandwidth_gbps=6.0,
+              sm_arch=0, cuda_context_bytes=0, op_overhead_s=2e-5, collective_latency_s=1e-4,
+              all_gather_bandwidth_gbps=0.2, elementwise_gbps=1.5)
+COUNTS = StepCounts(forward_ops=100, backward_ops=150, optimizer_ops=80, activation_bytes=30e6, num_modules=25,
+                    gathered_modules=2, gathered_numel=2e6)
+WL = Workload(seq_len=128, micro_batch_size=2, precision="32-true", optimizer="adamw_torch",
+              gradient_checkpointing=False, attn_implementation="sdpa")
+DDP = Strategy("ddp", "ddp")
+Z = {k: Strategy(f"zero{k}", "deepspeed", zero_stage=k) for k in range(4)}
+N = 10_000_000
+
+
+def terms(strategy, accum=1, counts=COUNTS, cluster=CPU, ds=DeepSpeedConfig(), model_bytes=4):
+    return host_time_s(counts, strategy, WL, cluster, trainable=N, num_params=N, dp=2, accum=accum,
+                       model_bytes=model_bytes, master_bytes=4, grad_bytes=model_bytes, ds=ds, ddp=DDPConfig())
+
+
+def test_optimizer_is_memory_bound_adamw_over_the_rank_elements():
+    per_elem_s = (ADAMW_ACCESSES_PER_ELEM + CLIP_ACCESSES_PER_ELEM) * 4 / (6.0 * GB)
+    assert terms(DDP)["optimizer_s"] == pytest.approx(N * per_elem_s)
+    assert terms(Z[0])["optimizer_s"] == pytest.approx(N * per_elem_s)  # ZeRO-0 does not partition
+    for k in (1, 2, 3):
+        assert terms(Z[k])["optimizer_s"] == pytest.approx(N / 2 * per_elem_s)
+
+
+def test_dispatch_counts_every_micro_batch_and_zero3_hooks():
+    assert terms(DDP)["dispatch_s"] == pytest.approx((100 + 150 + 80) * 2e-5)
+    assert terms(DDP, accum=3)["dispatch_s"] == pytest.approx(((100 + 150) * 3 + 80) * 2e-5)
+    assert terms(Z[3])["dispatch_s"] > terms(Z[2])["dispatch_s"]
+    more_modules = replace(COUNTS, num_modules=50)
+    extra = terms(Z[3], counts=more_modules)["dispatch_s"] - terms(Z[3])["dispatch_s"]
+    assert extra == pytest.approx(terms(Z[3])["dispatch_s"] - terms(Z[2])["dispatch_s"])  # linear in modules
+
+
+def test_activation_traffic_at_the_elementwise_rate():
+    assert terms(DDP)["activation_traffic_s"] == pytest.approx(30e6 / (1.5 * GB))
+    no_rate = replace(CPU, elementwise_gbps=None)
+    assert terms(DDP, cluster=no_rate)["activation_traffic_s"] == pytest.approx(30e6 / (2.0 * GB))
+
+
+def test_ddp_buckets_and_latency():
+    """40 MB of fp32 gradients: a 1 MiB first bucket, then 25 MiB buckets -> 3 all-reduces, plus a
+    buffer broadcast per forward and the worker's two collectives."""
+    grads = N * 4
+    expected = (3 + 1 + WORKER_COLLECTIVES_PER_STEP) * 1e-4 + grads * 2 * 0.5 / GB
+    got = comm_s(COUNTS, DDP, CPU, trainable=N, dp=2, accum=1, model_bytes=4, grad_bytes=4, ds=DeepSpeedConfig(),
+                 ddp=DDPConfig())
+    assert got == pytest.approx(expected)
+    assert 3 == 1 + -(-(grads - MIB) // (25 * MIB))
+
+
+def test_zero2_reduces_per_bucket_and_gathers_at_the_all_gather_rate():
+    ds = DeepSpeedConfig(reduce_bucket_size=1_000_000, allgather_bucket_size=2_000_000)
+    got = comm_s(COUNTS, Z[2], CPU, trainable=N, dp=2, accum=1, model_bytes=4, grad_bytes=4, ds=ds, ddp=DDPConfig())
+    reduce = 10 * 1e-4 + N * 4 * 0.5 / GB
+    gather = 3 * 1e-4 + N * 4 * 0.5 / (0.2 * GB)  # ceil(5e6 / 2e6) = 3 calls
+    step_calls = WORKER_COLLECTIVES_PER_STEP + ZERO_STEP_COLLECTIVES
+    assert got == pytest.approx(step_calls * 1e-4 + reduce + gather)
+
+
+def test_single_rank_has_no_collectives_but_the_worker_calls():
+    got = comm_s(COUNTS, DDP, CPU, trainable=N, dp=1, accum=1, model_bytes=4, grad_bytes=4, ds=DeepSpeedConfig(),
+                 ddp=DDPConfig())
+    assert got == pytest.approx(WORKER_COLLECTIVES_PER_STEP * 1e-4)
+
+
+def test_estimate_speed_cpu_adds_host_terms_and_gpu_is_launch_bound_only_when_tiny():
+    flops = {"forward": 1e9, "backward": 2e9}
+    base = estimate_speed(flops, DDP, WL, CPU, num_params=N, grad_accum_steps=1, dp_size=2, ds=DeepSpeedConfig())
+    full = estimate_speed(flops, DDP, WL, CPU, num_params=N, grad_accum_steps=1, dp_size=2, ds=DeepSpeedConfig(),
+                          counts=COUNTS)
+    host = {k[5:]: v for k, v in full.breakdown.items() if k.startswith("host_")}
+    assert full.step_s == pytest.approx(base.compute_s + sum(host.values()))
+    gpu = replace(CPU, device="cuda", peak_tflops={"fp32": 100.0}, op_overhead_s=5e-6)
+    g = estimate_speed(flops, DDP, WL, gpu, num_params=N, grad_accum_steps=1, dp_size=2, ds=DeepSpeedConfig(),
+                       counts=COUNTS)
+    assert g.compute_s == pytest.approx(max(3e9 / 100e12, 330 * 5e-6))
+    big = {"forward": 1e14, "backward": 2e14}
+    g2 = estimate_speed(big, DDP, WL, gpu, num_params=N, grad_accum_steps=1, dp_size=2, ds=DeepSpeedConfig(),
+                        counts=COUNTS)
+    assert g2.compute_s == pytest.approx(3e14 / 100e12)
+
+
+def test_step_counts_from_a_real_trace_match_the_model():
+    """Modules with parameters at full depth equal those of the transformers model built from the
+    config (independent count on the meta device)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from launcher import trace
+    from launcher.host_time import step_counts
+
+    hf = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+          "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 128, "max_position_embeddings": 64,
+          "tie_word_embeddings": False, "use_cache": False}
+    key = trace.TraceKey(hf_config_json=trace.canonical_config_json(hf), num_layers=3, micro_batch_size=1, seq_len=16)
+    traces = trace.trace_set(key, 3)
+    counts = step_counts(traces, persistence_threshold=1000)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf))
+    modules = [m for m in model.modules() if list(m.parameters(recurse=False))]
+    assert counts.num_modules == pytest.approx(len(modules))
+    big = [m for m in modules if max(p.numel() for p in m.parameters(recurse=False)) > 1000]
+    assert counts.gathered_modules == pytest.approx(len(big))
+    assert counts.gathered_numel == pytest.approx(sum(p.numel() for m in big for p in m.parameters(recurse=False)
+                                                      if p.numel() > 1000))
+    assert counts.forward_ops > 0 and counts.backward_ops > counts.forward_ops / 2 and counts.activation_bytes > 0
