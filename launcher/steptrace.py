@@ -48,6 +48,7 @@ class ParamTable:
     role: np.ndarray  # int8 Role
     layer: np.ndarray  # int64 decoder layer index, -1 outside layers
     tied_to: np.ndarray  # int64 index of the parameter it shares storage with, -1 if none
+    shapes: tuple = ()  # each parameter's shape (optimizers that factor states need it)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,15 @@ callback on the storage, when it dies (free), the way `MemTracker.__torch_dispat
 attention are counted in the same mode with torch's own formulas
 (`torch.utils.flop_counter.flop_registry`, what `FlopCounterMode` uses).
 
+LoRA (`TraceKey.trainable='lora'`): the model is wrapped by `peft.get_peft_model` inside the
+fake-tensor trace with the same `peft.LoraConfig` the worker applies (launcher/peft.py), so the
+adapters, their dropout, dtype casts and saved activations are traced, not modelled; only the
+trainable adapters get gradients and optimizer states. QLoRA (`quant_type`): traced with the frozen
+base in the compute dtype, every Linear bitsandbytes would quantize running through a stand-in of
+`MatMul4Bit` (dequantize-to-temporary, multiply, free); then the storage bytes of those base
+weights are replaced by their 4-bit bitsandbytes layout (launcher/quant.py). What is modelled, not
+traced, is therefore only the size of the 4-bit weights; every other storage is traced.
+
 Traces at two depths (`trace_set`) are cached on disk; `at_micro_batch` rebuilds the trace of
 any micro-batch size from the traces at two consecutive micro-batch sizes.
 """
@@ -30,7 +39,7 @@ import numpy as np
 
 from launcher.steptrace import Kind, ParamTable, Role, StepTrace, TraceSet
 
-OPTIMIZERS = ("adamw_foreach", "adamw_single", "adamw_fused", "sgd", "none")
+OPTIMIZERS = ("adamw_foreach", "adamw_single", "adamw_fused", "sgd", "adafactor", "none")
 PARAM_DTYPES = ("float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 PHASES = ("build", "forward", "backward", "optimizer", "zero_grad")
@@ -51,14 +60,39 @@ class TraceKey:
     attn_implementation: str = "sdpa"  # eager | sdpa | flash_attention_2 (traced as sdpa)
     gradient_checkpointing: bool = False
     optimizer: str = "adamw_foreach"  # adamw_foreach | adamw_single | adamw_fused | sgd | none
-    trainable: str = "all"  # 'all' parameters train (adapters: later)
+    trainable: str = "all"  # 'all' parameters train | 'lora': peft LoRA adapters on a frozen base
+    # --- trainable='lora' (launcher/peft.py LoraSettings): the peft.LoraConfig applied in the trace
+    lora_r: int = 0
+    lora_alpha: int = 0
+    lora_dropout: float = 0.0
+    lora_target_modules: tuple = ()  # () = PEFT's default for the architecture
+    quant_type: Optional[str] = None  # None | 'nf4' | 'fp4': QLoRA 4-bit base (see trace_step)
+    double_quant: bool = False
+    adapter_autocast: bool = True  # peft autocast_adapter_dtype (fp32 adapters on a 16-bit model)
+    tp_size: int = 1  # >1: trace one tensor-parallel rank's shard model (`tp_shard_config`)
 
     def __post_init__(self):
         _check(self.param_dtype, PARAM_DTYPES, "param_dtype")
         _check(self.autocast_dtype, (None, "bfloat16", "float16"), "autocast_dtype")
         _check(self.attn_implementation, ATTN_IMPLEMENTATIONS, "attn_implementation")
         _check(self.optimizer, OPTIMIZERS, "optimizer")
-        _check(self.trainable, ("all",), "trainable")
+        _check(self.trainable, ("all", "lora"), "trainable")
+        _check(self.quant_type, (None, "nf4", "fp4"), "quant_type")
+        if self.trainable == "lora" and self.lora_r < 1:
+            raise ValueError("TraceKey.trainable='lora' needs lora_r >= 1")
+        if self.quant_type is not None and self.trainable != "lora":
+            raise ValueError("TraceKey.quant_type (QLoRA) needs trainable='lora'")
+
+    def lora_settings(self):
+        """The `launcher.peft.LoraSettings` of this key (None for full fine-tuning)."""
+        from launcher.peft import LoraSettings
+
+        if self.trainable != "lora":
+            return None
+        return LoraSettings(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout,
+                            target_modules=tuple(self.lora_target_modules) or None,
+                            quant_type=self.quant_type, double_quant=self.double_quant,
+                            compute_dtype=self.param_dtype)
 
 
 def _check(value, allowed, name):
@@ -172,6 +206,42 @@ def build_config(key: TraceKey):
     if isinstance(getattr(cfg, "layer_types", None), list):  # per-layer lists follow the depth
         cfg.layer_types = cfg.layer_types[: key.num_layers]
     cfg.use_cache = False
+    return tp_shard_config(cfg, key.tp_size) if key.tp_size > 1 else cfg
+
+
+TP_SHARDABLE = ("llama", "mistral", "qwen2")  # configs whose TP shard is a smaller config of the same kind
+VOCAB_MULTIPLE = 64  # HybridParallelPlugin make_vocab_size_divisible_by (default 64)
+
+
+def tp_padded_vocab(vocab_size: int, tp_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    """The vocabulary ColossalAI's vocab-parallel embedding and LM head pad to: a multiple of
+    `make_vocab_size_divisible_by x tp_size` (colossalai/shardformer/layer/parallel_module.py
+    `PaddingParallelModule`; embedding.py `VocabParallelEmbedding1D` and linear.py
+    `VocabParallelLMHead1D`: `multiple = make_vocab_size_divisible_by * tp_size`)."""
+    unit = multiple * tp_size
+    return -(-vocab_size // unit) * unit
+
+
+def tp_shard_config(cfg, tp_size: int):
+    """The config of the model one tensor-parallel rank holds under ColossalAI's 1D TP
+    (Megatron-LM, arXiv:1909.08053 sec. 3; colossalai/shardformer/policies/llama.py): q/k/v and
+    gate/up are column-parallel (`Linear1D_Col`: output features / tp), o and down are
+    row-parallel (`Linear1D_Row`: input features / tp), the embedding and LM head are
+    vocab-parallel over the padded vocabulary (`tp_padded_vocab` / tp rows). So the shard is the
+    same architecture with num_attention_heads, num_key_value_heads, intermediate_size and
+    vocab_size divided by tp and head_dim kept; norms stay whole (replicated). Tracing it gives
+    the rank's parameters and the activations of its sharded layers; the communication buffers
+    the shard model does not allocate are added by launcher/memory/colossalai.py."""
+    if cfg.model_type not in TP_SHARDABLE:
+        raise ValueError(f"tensor-parallel shard tracing supports {TP_SHARDABLE}, not {cfg.model_type!r}")
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    if heads % tp_size or kv % tp_size:
+        raise ValueError(f"tp_size={tp_size} does not divide {heads} attention / {kv} KV heads")
+    cfg.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    cfg.num_attention_heads, cfg.num_key_value_heads = heads // tp_size, kv // tp_size
+    cfg.intermediate_size = cfg.intermediate_size // tp_size
+    cfg.vocab_size = tp_padded_vocab(cfg.vocab_size, tp_size) // tp_size
     return cfg
 
 
@@ -180,6 +250,10 @@ def _make_optimizer(key: TraceKey, params):
 
     if key.optimizer == "sgd":  # foreach: the default for CUDA tensors (optimizer.py)
         return torch.optim.SGD(params, lr=1e-3, momentum=SGD_MOMENTUM, foreach=True)
+    if key.optimizer == "adafactor":  # HF Trainer's optim="adafactor" settings (no data-dependent lr)
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params, lr=1e-3, scale_parameter=False, relative_step=False, warmup_init=False)
     return torch.optim.AdamW(params, lr=1e-3, foreach=key.optimizer == "adamw_foreach",
                              fused=key.optimizer == "adamw_fused" or None)
 
@@ -198,13 +272,16 @@ def _run_step(key: TraceKey, rec: _Recorder, marks: dict, grads: dict):
     if key.gradient_checkpointing:
         enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x
         (enable or model.gradient_checkpointing_enable)()
+    vocab_size = model.config.vocab_size
+    if key.trainable == "lora":
+        model, marks["quantized"] = _apply_lora(model, key)
     _watch_layers(model, key.num_layers, rec, marks)
     trainable = [p for p in model.parameters() if p.requires_grad]
     for p in trainable:
         p.register_post_accumulate_grad_hook(
             lambda p: grads.__setitem__(id(p), (rec.num_events, rec.row(p.grad))))
     opt = _make_optimizer(key, trainable) if key.optimizer != "none" else None
-    ids = torch.randint(0, model.config.vocab_size, (key.micro_batch_size, key.seq_len))
+    ids = torch.randint(0, vocab_size, (key.micro_batch_size, key.seq_len))
     marks["forward"], flops0 = rec.num_events, rec.flops
     with torch.autocast("cpu", dtype=getattr(torch, key.autocast_dtype or "float32"),
                         enabled=key.autocast_dtype is not None):
@@ -221,6 +298,30 @@ def _run_step(key: TraceKey, rec: _Recorder, marks: dict, grads: dict):
     marks["end"] = rec.num_events
     marks["inputs"] = rec.row(ids)
     return model, opt
+
+
+def _apply_lora(model, key: TraceKey):
+    """Wrap the fake-tensor model with `peft.get_peft_model` exactly as the worker does
+    (launcher/peft.py). QLoRA: the Linear weights bitsandbytes would quantize stay in the compute
+    dtype and run through the MatMul4Bit stand-in (launcher/peft.py module docstring); their
+    storage bytes are replaced by the 4-bit layout in `trace_step`. Returns (model, those weights)."""
+    from launcher import peft as lp
+
+    settings = key.lora_settings()
+    linears = lp.quantizable_linears(model) if key.quant_type else []
+    with lp.fake_tensor_adapter_moves():
+        model = lp.apply_lora(model, settings, autocast_adapter_dtype=key.adapter_autocast)
+    return model, lp.qlora_stand_in(linears)
+
+
+def _four_bit_rows(nbytes: list, quantized, rec: _Recorder, key: TraceKey) -> None:
+    """QLoRA: the traced compute-dtype storage of each 4-bit base weight -> its bitsandbytes bytes
+    (packed 4-bit weight + absmax (+ double-quant constants) + code; launcher/quant.py)."""
+    from launcher.peft import four_bit_storage_bytes
+
+    settings = key.lora_settings()
+    for w in quantized:
+        nbytes[rec.row(w, create=False)] = four_bit_storage_bytes(w.numel(), settings)
 
 
 def _watch_layers(model, num_layers: int, rec: _Recorder, marks: dict) -> None:
@@ -291,6 +392,7 @@ def _param_table(model, rec: _Recorder) -> tuple[ParamTable, list]:
     out_emb = model.get_output_embeddings()
     first_of: dict[int, int] = {}
     names, numel, esize, trainable, role, layer, tied, rows = [], [], [], [], [], [], [], []
+    shapes = tuple(tuple(p.shape) for _, p in named)
     for i, (name, p) in enumerate(named):
         sid = id(p.untyped_storage())
         tied.append(first_of.setdefault(sid, i) if sid in first_of else -1)
@@ -303,7 +405,7 @@ def _param_table(model, rec: _Recorder) -> tuple[ParamTable, list]:
         rows.append(rec.row(p, create=False))
     table = ParamTable(tuple(names), np.array(numel, np.int64), np.array(esize, np.int64),
                        np.array(trainable, bool), np.array(role, np.int8),
-                       np.array(layer, np.int64), np.array(tied, np.int64))
+                       np.array(layer, np.int64), np.array(tied, np.int64), shapes)
     return table, rows
 
 
@@ -351,6 +453,8 @@ def trace_step(key: TraceKey) -> StepTrace:
         kind, ready, param = _classify(model, opt, rec, n, params, param_rows, grads)
         kind[marks["inputs"]] = Kind.BUFFER
         free = np.array(rec.free[:n], np.int64)
+        nbytes = list(rec.nbytes[:n])
+        _four_bit_rows(nbytes, marks.get("quantized", ()), rec, key)
     free[(free < 0) | (free > num_events)] = num_events
     phases = {ph: (marks[ph], marks[nxt]) for ph, nxt in zip(PHASES, PHASES[1:] + ("end",))}
     bounds = {ph: (marks[a], marks[b]) for ph, a, b in
@@ -358,7 +462,7 @@ def trace_step(key: TraceKey) -> StepTrace:
     cuts = ([a for a, _ in phases.values()] + [num_events] + list(ready[ready >= 0])
             + [e for ab in bounds.values() for e in ab])
     return StepTrace(num_layers=key.num_layers, micro_batch_size=key.micro_batch_size,
-                     seq_len=key.seq_len, params=params, nbytes=np.array(rec.nbytes[:n], np.int64),
+                     seq_len=key.seq_len, params=params, nbytes=np.array(nbytes, np.int64),
                      alloc=np.array(rec.alloc[:n], np.int64),
                      free=_canonical_free_order(free, num_events, cuts), kind=kind, ready=ready,
                      param=param, num_events=num_events, phases=phases, flops=marks["flops"],
@@ -420,7 +524,7 @@ def at_micro_batch(ta: StepTrace, tb: StepTrace, micro_batch_size: int) -> StepT
 # ----------------------------------------------------------------------------- cache
 
 DEFAULT_CACHE_DIR = Path("~/.cache/launcher/traces").expanduser()
-_FORMAT_VERSION = 2  # bump when the trace's content or file layout changes
+_FORMAT_VERSION = 3  # bump when the trace's content or file layout changes
 _MEMO: dict[str, StepTrace] = {}
 _ROW_FIELDS = ("nbytes", "alloc", "free", "kind", "ready", "param")
 _PARAM_FIELDS = ("numel", "element_size", "trainable", "role", "layer", "tied_to")
@@ -431,7 +535,10 @@ def cache_key(key: TraceKey) -> str:
     import torch
     import transformers
 
-    blob = json.dumps([dataclasses.asdict(key), torch.__version__, transformers.__version__,
+    fields = dataclasses.asdict(key)
+    if fields.get("tp_size") == 1:  # keys without tensor parallelism hash as before tp_size existed
+        del fields["tp_size"]
+    blob = json.dumps([fields, torch.__version__, transformers.__version__,
                        _FORMAT_VERSION], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
@@ -439,7 +546,8 @@ def cache_key(key: TraceKey) -> str:
 def _save(trace: StepTrace, path: Path) -> None:
     meta = {"num_layers": trace.num_layers, "micro_batch_size": trace.micro_batch_size,
             "seq_len": trace.seq_len, "num_events": trace.num_events, "phases": trace.phases,
-            "flops": trace.flops, "names": trace.params.names, "layer_bounds": trace.layer_bounds}
+            "flops": trace.flops, "names": trace.params.names, "layer_bounds": trace.layer_bounds,
+            "shapes": [list(s) for s in trace.params.shapes]}
     arrays = {f: getattr(trace, f) for f in _ROW_FIELDS}
     arrays.update({"p_" + f: getattr(trace.params, f) for f in _PARAM_FIELDS})
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -452,7 +560,8 @@ def _save(trace: StepTrace, path: Path) -> None:
 def _load(path: Path) -> StepTrace:
     with np.load(path, allow_pickle=False) as z:
         meta = json.loads(str(z["meta"]))
-        params = ParamTable(tuple(meta["names"]), **{f: z["p_" + f] for f in _PARAM_FIELDS})
+        params = ParamTable(tuple(meta["names"]), **{f: z["p_" + f] for f in _PARAM_FIELDS},
+                            shapes=tuple(tuple(s) for s in meta.get("shapes", ())))
         rows = {f: z[f] for f in _ROW_FIELDS}
     phases = {k: tuple(v) for k, v in meta["phases"].items()}
     return StepTrace(num_layers=meta["num_layers"], micro_batch_size=meta["micro_batch_size"],

@@ -7,10 +7,11 @@ changed the way it changes them, e.g. gradients copied into buckets and freed wh
 the storages the framework allocates itself (flat parameter buffers, master weights, optimizer
 states, reduction buckets, gradient partitions, step temporaries), each citing the code that
 allocates it (ddp.py, deepspeed.py, zero3.py). The live-bytes curve of the layout is maximised per
-phase (forward, backward incl. the post-backward reduction, optimizer step) and each phase
-maximum is extrapolated linearly to the real depth (`TraceSet.at_depth` rule, from the two
-traced depths); the estimate is the
-largest phase. The curve is the steady state from the second step on: optimizer states, created
+phase (forward, backward incl. the post-backward reduction, optimizer step) and per segment of a
+phase (cut where the decoder layers start and end, `Layout.segments`); each segment maximum is
+extrapolated linearly to the real depth from the two traced depths and the largest is the phase's
+peak (`TraceSet.phase_max` rule: the maximum can move between segments as depth grows); the
+estimate is the largest phase. The curve is the steady state from the second step on: optimizer states, created
 lazily in the first step, are live during every later forward and backward.
 
 Devices. cuda: allocations round to 512 B; peak reserved comes from replaying the layout's
@@ -29,7 +30,7 @@ scalars, the loss scaler's small tensors, process-group internal scratch, side-s
 """
 from __future__ import annotations
 
-from launcher.config import DDPConfig, DeepSpeedConfig
+from launcher.config import ColossalAIConfig, DDPConfig, DeepSpeedConfig
 from launcher.errors import ConfigError
 from launcher.steptrace import TraceSet
 from launcher.types import Cluster, MemoryEstimate, Strategy, Workload
@@ -48,21 +49,16 @@ TORCH_PRECISION = {  # precision -> (param_dtype, autocast_dtype) for torch back
 DEEPSPEED_PRECISION = {"32-true": "float32", "bf16-mixed": "bfloat16", "16-mixed": "float16",
                        "bf16-true": "bfloat16"}
 TRACE_OPTIMIZER = {"adamw_torch": "adamw_foreach", "adamw_torch_foreach": "adamw_foreach",
-                   "adamw_torch_fused": "adamw_fused", "sgd": "sgd"}
+                   "adamw_torch_fused": "adamw_fused", "sgd": "sgd", "adafactor": "adafactor",
+                   "adamw_bnb_8bit": "none", "paged_adamw_8bit": "none"}  # 8-bit: modelled (ddp.py)
 
 
-def deepspeed_support_problem(strategy: Strategy, precision: str) -> str:
-    """Why DeepSpeed cannot run this precision with the worker's torch optimizer, or ''."""
-    if precision == "16-true":
-        return ("precision=16-true is not supported with DeepSpeed: fp16 master weights "
-                "(fp16_master_weights_and_grads) require ZeRO-Offload with DeepSpeedCPUAdam "
-                "(deepspeed/runtime/base_optimizer.py _configure_master_weights); use 16-mixed")
-    if precision == "bf16-true" and (strategy.zero_stage == 0 or strategy.offload_optimizer):
-        return (f"precision=bf16-true is not supported with strategy={strategy.name}: bf16 master "
-                "weights (bf16.bf16_master_weights_and_grads + bf16_optimizer_states) need ZeRO "
-                "stage 1-3 without optimizer offload (deepspeed/runtime/config.py, "
-                "base_optimizer.py); use bf16-mixed or zero1/zero2/zero3")
-    return ""
+def deepspeed_support_problem(strategy: Strategy, precision: str, device: str | None = None) -> str:
+    """Why DeepSpeed cannot run this precision with the worker's torch optimizer, or '': the
+    emitter's rule (launcher/emit/deepspeed.py `unsupported_reason`), which the worker applies too."""
+    from launcher.emit.deepspeed import unsupported_reason
+
+    return unsupported_reason(strategy, precision, device) or ""
 
 
 def trace_request(strategy: Strategy, workload: Workload) -> dict:
@@ -72,7 +68,8 @@ def trace_request(strategy: Strategy, workload: Workload) -> dict:
     parameters in that dtype) and the torch optimizer is traced for real. DeepSpeed bf16/fp16
     runs a 16-bit model without autocast (engine.py `_configure_distributed_model` casts the
     module) and its optimizer memory is modelled from its source, so no optimizer is traced;
-    bf16-true under ZeRO 1-3 is bf16 with bf16 master weights and states."""
+    bf16-true is a bf16 model with bf16 optimizer states (ZeRO 1-3: bf16 master weights; ZeRO-0:
+    the client optimizer steps the bf16 parameters themselves)."""
     if strategy.backend == "ddp":
         param_dtype, autocast = TORCH_PRECISION[workload.precision]
         return {"param_dtype": param_dtype, "autocast_dtype": autocast,
@@ -83,18 +80,23 @@ def trace_request(strategy: Strategy, workload: Workload) -> dict:
             raise ConfigError(problem)
         return {"param_dtype": DEEPSPEED_PRECISION[workload.precision], "autocast_dtype": None,
                 "optimizer": "none"}
+    if strategy.backend == "colossalai":
+        from .colossalai import trace_request as colossalai_trace_request
+
+        return colossalai_trace_request(strategy, workload)
     raise ConfigError(f"strategy={strategy.name}: backend {strategy.backend!r} has no memory model")
 
 
 def _layouts(traces: TraceSet, strategy: Strategy, workload: Workload, ds, ddp, dp: int):
     if strategy.backend == "ddp":
-        return [ddp_layout(t, ddp, dp) for t in (traces.depth1, traces.depth2)], DDP_NOTES, None
+        return ([ddp_layout(t, ddp, dp, workload.optimizer) for t in (traces.depth1, traces.depth2)],
+                DDP_NOTES, None)
     trace_request(strategy, workload)  # raises if unsupported
     z = ZeroSetup(stage=strategy.zero_stage, offload_optimizer=strategy.offload_optimizer,
                   offload_params=strategy.offload_params,
                   model_bytes=DTYPE_BYTES[DEEPSPEED_PRECISION[workload.precision]],
                   master_bytes=2 if workload.precision == "bf16-true" else 4,
-                  optimizer=workload.optimizer, ds=ds, dp=dp)
+                  optimizer=workload.optimizer, ds=ds, dp=dp, num_layers=traces.num_layers)
     build = {0: zero0_layout, 1: zero12_layout, 2: zero12_layout, 3: zero3_layout}[z.stage]
     layouts = [build(t, z) for t in (traces.depth1, traces.depth2)]
     gathered = None
@@ -110,7 +112,11 @@ def deepspeed_notes(z: ZeroSetup, gathered) -> tuple:
              f"reduce_bucket_size={z.ds.reduce_bucket_size} elements, overlap_comm={z.overlap_comm}, "
              f"contiguous_gradients={z.ds.contiguous_gradients}; allgather_bucket_size unused "
              "(all_gather_into_tensor writes into the flat buffer, runtime/utils.py all_gather_dp_groups)."]
-    if z.master_bytes == 2:
+    if z.master_bytes == 2 and z.stage == 0:
+        notes.append("bf16-true at ZeRO-0: no bf16 section in ds_config, the model is handed over "
+                     "in bf16 and the torch optimizer steps it directly (no master weights, bf16 "
+                     "states; engine.py _do_optimizer_sanity_check returns no wrapper).")
+    elif z.master_bytes == 2:
         notes.append("bf16-true: bf16.bf16_master_weights_and_grads and bf16_optimizer_states "
                      "must be set in ds_config (master, gradients and states in bf16).")
     if z.offload_optimizer:
@@ -125,9 +131,19 @@ def deepspeed_notes(z: ZeroSetup, gathered) -> tuple:
 
 
 def estimate_memory(traces: TraceSet, strategy: Strategy, workload: Workload, cluster: Cluster,
-                    ds: DeepSpeedConfig, ddp: DDPConfig, dp_size: int) -> MemoryEstimate:
-    """Peak memory of the worst rank of `strategy` (module docstring: method and assumptions)."""
-    layouts, notes, gathered = _layouts(traces, strategy, workload, ds, ddp, dp_size)
+                    ds: DeepSpeedConfig, ddp: DDPConfig, dp_size: int,
+                    cai: ColossalAIConfig | None = None) -> MemoryEstimate:
+    """Peak memory of the worst rank of `strategy` (module docstring: method and assumptions).
+    ColossalAI strategies (colossalai.py) may add full-depth storages per phase (`extra`)."""
+    extra: dict = {}
+    if strategy.backend == "colossalai":
+        from .colossalai import colossalai_memory
+
+        traces, layouts, notes, extra = colossalai_memory(traces, strategy, workload, ddp,
+                                                          cai or ColossalAIConfig(), dp_size, cluster.device)
+        gathered = None
+    else:
+        layouts, notes, gathered = _layouts(traces, strategy, workload, ds, ddp, dp_size)
     cuda = cluster.device == "cuda"
     rounding = runtime.allocator_rounding_bytes(cluster.device)
     peaks = [phase_peaks(lay, rounding, with_host=not cuda) for lay in layouts]
@@ -137,6 +153,11 @@ def estimate_memory(traces: TraceSet, strategy: Strategy, workload: Workload, cl
     for ph in ("forward", "backward"):
         total[ph] += gathered_bytes
         breakdown[ph]["parameters"] += gathered_bytes
+    for ph, cats in extra.items():
+        for cat, nbytes in cats.items():
+            total[ph] += nbytes
+            breakdown[ph][cat] += nbytes
+    gathered_bytes += max((sum(c.values()) for c in extra.values()), default=0)
     phase = max(PHASES, key=lambda ph: total[ph])
     host = extrapolate_layouts(layouts, [host_bytes(x) for x in layouts], traces.num_layers)
     bd = dict(breakdown[phase])

@@ -1,9 +1,13 @@
 """What every strategy model shares: a `Layout` (how a framework changes the traced rows and which
 buffers it adds), the live-bytes curve it implies, per-phase maxima and their extrapolation.
 
-A layout is built for one traced depth (1 or 2 decoder layers): the strategy is applied to that
-shallow model exactly as the framework would apply it, and the phase maxima of the two depths are
-extrapolated linearly to the real depth (`launcher.steptrace.extrapolate`).
+A layout is built for one traced depth (the two depths of a `TraceSet`): the strategy is applied to
+that shallow model exactly as the framework would apply it. Each phase is cut at the trace's
+decoder-layer boundaries (`StepTrace.layer_bounds`, mapped onto the layout's timeline), each
+segment's maximum is extrapolated linearly to the real depth (`launcher.steptrace.extrapolate`), and
+the phase's peak is the largest of them: the maximum can move from one segment to another as depth
+grows (e.g. from the LM-head backward into the last layer's backward), which extrapolating the
+whole-phase maximum misses (`StepTrace.phase_segments`, `TraceSet.phase_max`).
 """
 from __future__ import annotations
 
@@ -77,6 +81,14 @@ class Layout:
     def step_ev(self, k: int) -> int:
         return self.backward_end + self.reduce_events + k
 
+    def segments(self, phase: str) -> list[tuple[int, int]]:
+        """`phase` on this layout's timeline cut at the traced decoder-layer boundaries (before the
+        layers, the layers, after them), as `StepTrace.phase_segments` does on the trace's."""
+        a, b = self.phases[phase]
+        cuts = sorted(int(self.ev(c)) for c in self.trace.layer_bounds.get(phase, ()))
+        edges = [a, *(c for c in cuts if a < c < b), b]
+        return [(x, y) for x, y in zip(edges, edges[1:]) if y > x]
+
     @property
     def phases(self) -> dict:
         t, b = self.trace.phases, self.backward_end
@@ -93,6 +105,13 @@ class Layout:
     def drop(self, kind: Kind) -> None:
         """Remove the traced rows of one kind (the framework replaces those storages)."""
         self.mask &= self.trace.kind != kind
+
+    def drop_trainable_params(self) -> None:
+        """Remove the traced storages of trainable parameters (the framework moves them into its
+        own flat buffers); frozen parameters (LoRA's base) stay as the module holds them."""
+        t = self.trace
+        trainable = (t.param >= 0) & t.params.trainable[t.param.clip(0)]
+        self.mask &= ~((t.kind == Kind.PARAM) & trainable)
 
     def rows(self, kind: Kind) -> np.ndarray:
         return self.mask & (self.trace.kind == kind)
@@ -135,25 +154,28 @@ def host_bytes(layout: Layout) -> int:
 
 @dataclass(frozen=True)
 class PhasePeaks:
-    """Per phase: the peak total and the breakdown at that peak."""
+    """Per phase: the peak total and the breakdown at that peak; `segments` holds the same per
+    segment of the phase (`Layout.segments`), as [(total, breakdown)]."""
 
     total: dict  # phase -> bytes
     breakdown: dict  # phase -> {category: bytes}
+    segments: dict = field(default_factory=dict)  # phase -> [(bytes, {category: bytes})]
+
+
+def _segment_peak(curves: dict, total_curve: np.ndarray, a: int, b: int) -> tuple[int, dict]:
+    i = a + int(np.argmax(total_curve[a:b]))
+    return int(total_curve[i]), {c: int(curves[c][i]) for c in CATEGORIES}
 
 
 def phase_peaks(layout: Layout, rounding: int = 1, with_host: bool = False) -> PhasePeaks:
     curves = category_curves(layout, rounding, with_host)
     total_curve = sum(curves.values())
-    total, breakdown = {}, {}
+    total, breakdown, segments = {}, {}, {}
     for ph in PHASES:
-        a, b = layout.phases[ph]
-        if b <= a:
-            total[ph], breakdown[ph] = 0, {c: 0 for c in CATEGORIES}
-            continue
-        i = a + int(np.argmax(total_curve[a:b]))
-        total[ph] = int(total_curve[i])
-        breakdown[ph] = {c: int(curves[c][i]) for c in CATEGORIES}
-    return PhasePeaks(total, breakdown)
+        segments[ph] = [_segment_peak(curves, total_curve, a, b) for a, b in layout.segments(ph)]
+        best = max(segments[ph], key=lambda s: s[0], default=(0, {c: 0 for c in CATEGORIES}))
+        total[ph], breakdown[ph] = best
+    return PhasePeaks(total, breakdown, segments)
 
 
 def extrapolate_layouts(layouts: list, values: list, num_layers: int) -> int:
@@ -163,11 +185,21 @@ def extrapolate_layouts(layouts: list, values: list, num_layers: int) -> int:
 
 
 def extrapolate_peaks(layouts: list, peaks: list, num_layers: int) -> PhasePeaks:
-    """Each phase maximum and its breakdown, extrapolated linearly in depth."""
-    total = {ph: extrapolate_layouts(layouts, [p.total[ph] for p in peaks], num_layers)
-             for ph in PHASES}
-    breakdown = {ph: {c: extrapolate_layouts(layouts, [p.breakdown[ph][c] for p in peaks], num_layers)
-                      for c in CATEGORIES} for ph in PHASES}
+    """Each phase's peak at `num_layers`: every segment's maximum and its breakdown extrapolated
+    linearly in depth, the largest segment taken (`TraceSet.phase_max`). If the two depths cut a
+    phase into different numbers of segments (layer boundaries not recorded), the whole-phase
+    maxima are extrapolated."""
+    total, breakdown = {}, {}
+    for ph in PHASES:
+        s1, s2 = peaks[0].segments.get(ph, []), peaks[1].segments.get(ph, [])
+        if len(s1) != len(s2):
+            s1 = [(peaks[0].total[ph], peaks[0].breakdown[ph])]
+            s2 = [(peaks[1].total[ph], peaks[1].breakdown[ph])]
+        candidates = [(extrapolate_layouts(layouts, [t1, t2], num_layers),
+                       {c: extrapolate_layouts(layouts, [b1[c], b2[c]], num_layers) for c in CATEGORIES})
+                      for (t1, b1), (t2, b2) in zip(s1, s2)]
+        total[ph], breakdown[ph] = max(candidates, key=lambda s: s[0],
+                                       default=(0, {c: 0 for c in CATEGORIES}))
     return PhasePeaks(total, breakdown)
 
 
@@ -176,6 +208,33 @@ def trainable_params(trace: StepTrace) -> list[int]:
     dropped: `module.parameters()` yields a shared parameter once)."""
     p = trace.params
     return [i for i in range(len(p.names)) if p.trainable[i] and p.tied_to[i] < 0]
+
+
+def full_depth_numels(trace: StepTrace, num_layers: int) -> list[int]:
+    """The trainable parameters of the real-depth model in forward order: the shallow trace's
+    parameters before its first layer, its layer-0 parameters repeated `num_layers` times, then
+    the rest."""
+    p = trace.params
+    idx = [i for i in range(len(p.names)) if p.trainable[i] and p.tied_to[i] < 0]
+    in_layer = [k for k, i in enumerate(idx) if p.layer[i] >= 0]
+    first, last = (in_layer[0], in_layer[-1]) if in_layer else (len(idx), len(idx) - 1)
+    layer0 = [int(p.numel[i]) for i in idx if p.layer[i] == 0]
+    before = [int(p.numel[i]) for i in idx[:first]]
+    after = [int(p.numel[i]) for i in idx[last + 1:]]
+    return before + layer0 * num_layers + after
+
+
+def layer_numel(trace: StepTrace) -> int:
+    """Trainable elements of one decoder layer (layer 0 of the traced model)."""
+    p = trace.params
+    return int(p.numel[(p.layer == 0) & p.trainable & (p.tied_to < 0)].sum())
+
+
+def at_traced_depth(full_value: int, per_layer: float, trace: StepTrace, num_layers: int) -> int:
+    """A quantity known at the real depth `num_layers` that is only roughly linear in depth (it
+    grows by about `per_layer` per layer), written at the traced depth as `full_value -
+    (num_layers - depth) x per_layer`: extrapolating the two traced depths returns `full_value`."""
+    return int(round(full_value - (num_layers - trace.num_layers) * per_layer))
 
 
 def grad_ready_order(trace: StepTrace) -> list[int]:
@@ -209,14 +268,39 @@ def optimizer_step_temp_numel(optimizer: str, tensor_numels: list[int]) -> int:
       temporary per parameter, all alive together: sum of the numels;
     - `_single_tensor_adam`: `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)` holds
       two temporaries of one parameter at a time: 2 x the largest;
-    - `_fused_adam`: none; SGD (foreach momentum update in place): none."""
+    - `_fused_adam`: none; SGD (foreach momentum update in place): none;
+    - transformers' Adafactor, one parameter at a time (transformers/optimization.py
+      Adafactor.step): for an unfactored (1-D, e.g. a flat ZeRO partition) parameter
+      `update = exp_avg_sq.rsqrt().mul_(grad)` is made while `update = grad**2 + eps` is alive, and
+      `p.add_(-update)` makes `-update` while `update` is: 2 x the largest;
+    - bitsandbytes 8-bit optimizers: none (the CUDA `optimizer_update_8bit_blockwise` kernel
+      updates parameter and states in place)."""
     if not tensor_numels:
         return 0
     if optimizer in ("adamw_torch", "adamw_torch_foreach"):
         return int(sum(tensor_numels))
-    if optimizer == "adamw_single":
+    if optimizer in ("adamw_single", "adafactor"):
         return 2 * int(max(tensor_numels))
     return 0
+
+
+BNB_8BIT_OPTIMIZERS = ("adamw_bnb_8bit", "paged_adamw_8bit")
+
+
+def modelled_state_bytes(optimizer: str, shapes: list, state_bytes: int = 4) -> int | None:
+    """Optimizer-state bytes of the optimizers whose state is modelled rather than traced, for
+    parameters (or flat partitions) of the given shapes, as the library stores it; None for the
+    others. bitsandbytes AdamW8bit / PagedAdamW8bit: launcher/quant.py `adamw_8bit_state_bytes`
+    (bitsandbytes/optim/optimizer.py Optimizer2State.init_state; paged states are counted as
+    device memory). transformers Adafactor: `adafactor_state_bytes` (beta1=None, HF's default)."""
+    from launcher import quant
+
+    if optimizer in BNB_8BIT_OPTIMIZERS:
+        numels = [int(np.prod(s)) for s in shapes]
+        return quant.adamw_8bit_state_bytes(numels, paged=optimizer.startswith("paged"))["total_bytes"]
+    if optimizer == "adafactor":
+        return quant.adafactor_state_bytes(shapes, dtype_bytes=state_bytes)["total_bytes"]
+    return None
 
 
 def optimizer_state_numel_factor(optimizer: str) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from launcher.config import DDPConfig
 from launcher.steptrace import Kind, StepTrace
 
-from .common import Layout, grad_ready_order, trainable_params
+from .common import Layout, grad_ready_order, modelled_state_bytes, trainable_params
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 
@@ -43,10 +43,18 @@ def bucket_bytes(trace: StepTrace, bucket_cap_mb: float) -> list[int]:
     return out
 
 
-def ddp_layout(trace: StepTrace, ddp: DDPConfig, dp_size: int) -> Layout:
-    """The traced step as DDP runs it on every rank (all ranks are identical)."""
-    layout = Layout.of(trace)
+def ddp_layout(trace: StepTrace, ddp: DDPConfig, dp_size: int, optimizer: str = "") -> Layout:
+    """The traced step as DDP runs it on every rank (all ranks are identical). bitsandbytes 8-bit
+    optimizers are not traced (their kernels cannot run on fake tensors): their states
+    (`modelled_state_bytes`, one per trainable parameter) live for the whole step and their
+    in-place update adds no temporary (common.py `optimizer_step_temp_numel`)."""
+    p = trace.params
+    modelled = modelled_state_bytes(optimizer, [p.shapes[i] if p.shapes else (int(p.numel[i]),)
+                                                for i in trainable_params(trace)])
+    layout = Layout.of(trace, step_events=1 if modelled is not None else 0)
     layout.hoist_persistent(Kind.OPTIM)
+    if modelled is not None:
+        layout.add("optimizer_states", "optimizer_states", modelled)
     buckets = bucket_bytes(trace, ddp.bucket_cap_mb)
     if ddp.gradient_as_bucket_view:
         g = (trace.kind == Kind.GRAD) & (trace.ready >= 0)

@@ -4,7 +4,8 @@ deepspeed/runtime/. The model is traced in the engine's dtype with no optimizer;
 engine and its optimizer wrapper allocate is added here, each term citing the code that allocates it.
 
 Which wrapper runs (engine.py `_do_optimizer_sanity_check`, grad_accum_dtype left unset so it
-equals the model dtype): stage 0 + fp32 -> the client optimizer itself; stage 0 + bf16/fp16 ->
+equals the model dtype): stage 0 + fp32, and stage 0 + bf16-true (a bf16 model with no bf16
+section in ds_config, launcher/emit/deepspeed.py) -> the client optimizer itself; stage 0 + bf16/fp16 ->
 `FP16_Optimizer` (fp16/fused_optimizer.py, also for bf16 as DDP_BFLOAT16); stages 1-2 ->
 `DeepSpeedZeroOptimizer` (zero/stage_1_and_2.py); stage 3 -> zero3.py.
 """
@@ -16,9 +17,10 @@ from dataclasses import dataclass
 from launcher.config import DeepSpeedConfig
 from launcher.steptrace import Kind, StepTrace
 
-from .common import (Layout, first_ready_event, free_at_next_ready, grad_ready_order,
-                     optimizer_state_numel_factor, optimizer_step_scalar_bytes,
-                     optimizer_step_temp_numel, trainable_params)
+from .common import (Layout, at_traced_depth, first_ready_event, free_at_next_ready,
+                     full_depth_numels, grad_ready_order, layer_numel, modelled_state_bytes,
+                     optimizer_state_numel_factor,
+                     optimizer_step_scalar_bytes, optimizer_step_temp_numel, trainable_params)
 
 NCCL_START_ALIGNMENT_FACTOR = 2  # zero/stage_1_and_2.py __init__: "4-byte alignment/sizeof(fp16)"
 MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000  # engine.py: stage-0 allreduce bucket, in elements
@@ -34,6 +36,7 @@ class ZeroSetup:
     optimizer: str  # HF optim name of the client torch optimizer
     ds: DeepSpeedConfig
     dp: int
+    num_layers: int = 0  # the real model's depth, for terms not linear in depth (0: the traced depth)
 
     @property
     def overlap_comm(self) -> bool:
@@ -82,6 +85,10 @@ def first_flush_event(trace: StepTrace, bucket_numel: int):
 
 
 def _states(layout: Layout, z: ZeroSetup, numel: int, num_tensors: int, host: bool) -> None:
+    modelled = modelled_state_bytes(z.optimizer, [(numel,)], z.master_bytes)  # one flat partition
+    if modelled is not None:
+        layout.add("optimizer_states", "optimizer_states", modelled, host=host)
+        return
     k = optimizer_state_numel_factor(z.optimizer)
     layout.add("optimizer_states", "optimizer_states",
                k * z.master_bytes * numel + optimizer_step_scalar_bytes(z.optimizer, num_tensors),
@@ -101,16 +108,17 @@ def zero0_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
             largest, bucket = max(largest, bucket), 0
     largest = max(largest, bucket) if len(sizes) > 1 else 0
     e = z.model_bytes
-    if e == 4:  # client optimizer on the model's own parameters
+    if z.master_bytes == e:  # no wrapper: the client optimizer steps the model's own parameters
+        # (fp32; or bf16-true, whose ds_config enables no bf16 mode: states in the parameters' dtype)
         layout = Layout.of(trace, reduce_events=1, step_events=1)
         layout.add("allreduce_flat", "buffers", largest * e, layout.reduce_ev(0), layout.reduce_ev(1))
         _states(layout, z, total, len(sizes), host=False)
         layout.add("optimizer_step_temporaries", "optimizer_states",
-                   4 * optimizer_step_temp_numel(z.optimizer, sizes), layout.step_ev(0), layout.step_ev(1))
+                   e * optimizer_step_temp_numel(z.optimizer, sizes), layout.step_ev(0), layout.step_ev(1))
         return layout
     # FP16_Optimizer (fp16/fused_optimizer.py)
     layout = Layout.of(trace, reduce_events=1, step_events=2)
-    layout.drop(Kind.PARAM)
+    layout.drop_trainable_params()
     layout.add("flat_16bit_params", "parameters", e * total)  # __init__: fp16_groups_flat
     layout.add("fp32_master", "optimizer_states", 4 * total)  # __init__: fp32_groups_flat
     _states(layout, z, total, 1, host=False)  # initialize_optimizer_states: optimizer.step() at init
@@ -133,7 +141,7 @@ def zero12_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
     flat = flat_numel(sum(sizes), dp)
     part = flat // dp
     layout = Layout.of(trace, reduce_events=2, step_events=2)
-    layout.drop(Kind.PARAM)
+    layout.drop_trainable_params()
     off = z.offload_optimizer
     layout.add("flat_16bit_params", "parameters", e * flat)  # __init__: bit16_groups_flat
     layout.add("fp32_master_partition", "optimizer_states", m * part, host=off)  # single_partition_of_fp32_groups
@@ -168,6 +176,9 @@ def zero12_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
         _offload_terms(layout, z, sizes, part)
         return layout
     gip = grads_in_partition_numel(sizes, dp)
+    if z.num_layers:  # which parameters straddle the partition boundary depends on the real depth
+        gip = at_traced_depth(grads_in_partition_numel(full_depth_numels(trace, z.num_layers), dp),
+                              layer_numel(trace) / dp, trace, z.num_layers)
     layout.add("grads_in_partition", "gradients", e * gip, flush, s1)
     # step(): flatten(averaged_gradients) -> .to(fp32) -> optimizer step -> grad = None
     layout.add("flat_grad_partition", "gradients", e * part, s0, s1)

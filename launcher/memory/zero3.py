@@ -12,7 +12,8 @@ import math
 
 from launcher.steptrace import Kind, StepTrace
 
-from .common import Layout, free_at_next_ready, grad_ready_order, optimizer_step_temp_numel
+from .common import (Layout, free_at_next_ready, full_depth_numels, grad_ready_order,  # noqa: F401
+                     optimizer_step_temp_numel)
 from .deepspeed import ZeroSetup, _states, numels
 
 
@@ -100,20 +101,6 @@ def zero3_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
     layout.add("optimizer_step_temporaries", "optimizer_states",
                m * optimizer_step_temp_numel(z.optimizer, [largest]), s1, s2)
     return layout
-
-
-def full_depth_numels(trace: StepTrace, num_layers: int) -> list[int]:
-    """The trainable parameters of the real-depth model in forward order: the shallow trace's
-    parameters before its first layer, its layer-0 parameters repeated `num_layers` times, then
-    the rest."""
-    p = trace.params
-    idx = [i for i in range(len(p.names)) if p.trainable[i] and p.tied_to[i] < 0]
-    in_layer = [k for k, i in enumerate(idx) if p.layer[i] >= 0]
-    first, last = (in_layer[0], in_layer[-1]) if in_layer else (len(idx), len(idx) - 1)
-    layer0 = [int(p.numel[i]) for i in idx if p.layer[i] == 0]
-    before = [int(p.numel[i]) for i in idx[:first]]
-    after = [int(p.numel[i]) for i in idx[last + 1:]]
-    return before + layer0 * num_layers + after
 
 
 def gathered_param_bytes(sizes: list[int], z: ZeroSetup) -> tuple[int, bool]:
