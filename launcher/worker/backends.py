@@ -18,7 +18,7 @@ from pathlib import Path
 
 from launcher.errors import ConfigError
 
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adamw_bnb_8bit", "paged_adamw_8bit", "adafactor")
 DDP_KWARGS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters",
               "broadcast_buffers")
 DS_TAG = "deepspeed"
@@ -26,7 +26,10 @@ DS_TAG = "deepspeed"
 
 def make_optimizer(name: str, params, learning_rate: float, weight_decay: float):
     """adamw_torch: AdamW with foreach=True (one multi-tensor kernel per group, on every device);
-    adamw_torch_fused: AdamW(fused=True); sgd: SGD with momentum 0.9."""
+    adamw_torch_fused: AdamW(fused=True); sgd: SGD with momentum 0.9; adamw_bnb_8bit /
+    paged_adamw_8bit: bitsandbytes.optim.AdamW8bit / PagedAdamW8bit; adafactor: transformers'
+    Adafactor with HF Trainer's optim="adafactor" settings (scale_parameter=False,
+    relative_step=False: the learning rate is the given one)."""
     import torch
 
     params = [p for p in params if p.requires_grad]
@@ -36,6 +39,16 @@ def make_optimizer(name: str, params, learning_rate: float, weight_decay: float)
         return torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay, fused=True)
     if name == "sgd":
         return torch.optim.SGD(params, lr=learning_rate, momentum=0.9, weight_decay=weight_decay)
+    if name in ("adamw_bnb_8bit", "paged_adamw_8bit"):
+        import bitsandbytes as bnb
+
+        cls = bnb.optim.PagedAdamW8bit if name.startswith("paged") else bnb.optim.AdamW8bit
+        return cls(params, lr=learning_rate, weight_decay=weight_decay)
+    if name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params, lr=learning_rate, weight_decay=weight_decay, scale_parameter=False,
+                         relative_step=False, warmup_init=False)
     raise ConfigError(f"optimizer={name!r} is not supported by the worker; use one of {', '.join(OPTIMIZERS)}")
 
 
@@ -151,11 +164,7 @@ def deepspeed_config(spec, world_size: int) -> dict:
         if section in config:
             problems.append(f"ds_config has an {section!r} section; the worker passes a torch "
                             f"optimizer and scheduler, remove it")
-    half = {"bf16": spec.precision.startswith("bf16"), "fp16": spec.precision == "16-mixed"}
-    for section, wanted in half.items():
-        enabled = bool(config.get(section, {}).get("enabled", False))
-        if enabled != wanted:
-            problems.append(f"precision={spec.precision} but ds_config {section}.enabled={enabled}")
+    problems += _precision_problems(spec, config)
     if problems:
         raise ConfigError(*problems)
     config.update(expected)
@@ -165,12 +174,49 @@ def deepspeed_config(spec, world_size: int) -> dict:
     return config
 
 
+def ds_strategy(spec, config: dict):
+    """The `Strategy` a ds_config describes (stage and offload from its zero_optimization)."""
+    from launcher.types import Strategy
+
+    zero = config.get("zero_optimization", {})
+    off = lambda key: zero.get(key, {}).get("device", "none") not in ("none", None)  # noqa: E731
+    return Strategy(getattr(spec, "strategy", "deepspeed"), "deepspeed", int(zero.get("stage", 0)),
+                    offload_optimizer=off("offload_optimizer"), offload_params=off("offload_param"))
+
+
+def _precision_problems(spec, config: dict) -> list[str]:
+    """The planner's and emitter's rule (launcher/emit/deepspeed.py `unsupported_reason`), and the
+    bf16/fp16 sections the emitter writes for this precision (`expected_half_sections`)."""
+    from launcher.emit.deepspeed import expected_half_sections, unsupported_reason
+
+    strategy = ds_strategy(spec, config)
+    reason = unsupported_reason(strategy, spec.precision, getattr(spec, "device", None))
+    if reason:
+        return [reason]
+    wanted = expected_half_sections(strategy, spec.precision)
+    return [f"precision={spec.precision} with ZeRO-{strategy.zero_stage} but ds_config "
+            f"{section}.enabled={enabled}; expected {wanted[section]}"
+            for section in ("bf16", "fp16")
+            if (enabled := bool(config.get(section, {}).get("enabled", False))) != wanted[section]]
+
+
+def _true_dtype_model(model, spec, config: dict):
+    """bf16-true at ZeRO-0 enables no bf16 mode in ds_config, so DeepSpeed does not cast the model
+    (engine.py `_configure_distributed_model`): hand it over in bf16, as the emitter assumes."""
+    import torch
+
+    if spec.precision == "bf16-true" and not config.get("bf16", {}).get("enabled", False):
+        return model.to(torch.bfloat16)
+    return model
+
+
 class DeepSpeedBackend:
     def __init__(self, model, spec, env, plan, meter) -> None:
         import deepspeed
 
         deepspeed.utils.logger.setLevel(logging.WARNING)
         config = deepspeed_config(spec, env.world_size)
+        model = _true_dtype_model(model, spec, config)
         optimizer = make_optimizer(spec.optimizer, model.parameters(), spec.learning_rate, spec.weight_decay)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, config=config,
@@ -205,7 +251,14 @@ class DeepSpeedBackend:
         self._meter.track_external(self.engine.module, self._base_optimizer)
 
 
-BACKENDS = {"ddp": DDPBackend, "deepspeed": DeepSpeedBackend}
+def _colossalai_backend(model, spec, env, plan, meter):
+    """ColossalAI is optional: imported only when a run uses it (launcher/worker/colossalai_backend.py)."""
+    from launcher.worker.colossalai_backend import ColossalAIBackend
+
+    return ColossalAIBackend(model, spec, env, plan, meter)
+
+
+BACKENDS = {"ddp": DDPBackend, "deepspeed": DeepSpeedBackend, "colossalai": _colossalai_backend}
 
 
 def check_backend(spec, world_size: int) -> None:
@@ -217,8 +270,18 @@ def check_backend(spec, world_size: int) -> None:
     if spec.optimizer not in OPTIMIZERS:
         raise ConfigError(f"optimizer={spec.optimizer!r} is not supported by the worker; "
                           f"use one of {', '.join(OPTIMIZERS)}")
+    quant = (getattr(spec, "peft", None) or {}).get("quant_type")
+    if quant and spec.device != "cuda":
+        raise ConfigError(f"QLoRA ({quant} base) needs bitsandbytes' GPU kernels; device={spec.device} "
+                          "has none: use peft=lora on CPU")
+    if quant and spec.backend != "ddp":
+        raise ConfigError(f"QLoRA runs with torch DDP only, not backend={spec.backend}")
     if spec.backend == "ddp":
         _check_ddp_kwargs(spec.framework_config)
+    elif spec.backend == "colossalai":
+        from launcher.worker.colossalai_backend import check_plugin_config
+
+        check_plugin_config(spec.framework_config)
     else:
         deepspeed_config(spec, world_size)
 

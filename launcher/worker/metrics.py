@@ -84,5 +84,17 @@ def summary_table(summary: dict) -> str:
     return "\n".join(rows)
 
 
-def write_summary(run_dir: str | Path, summary: dict) -> None:
-    (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+def summary_path(run_dir: str | Path) -> Path:
+    """summary.json, or summary-2.json, -3, ... when a resumed run finishes again: a finished
+    run's summary is never overwritten."""
+    path, num = Path(run_dir) / "summary.json", 1
+    while path.exists():
+        num += 1
+        path = Path(run_dir) / f"summary-{num}.json"
+    return path
+
+
+def write_summary(run_dir: str | Path, summary: dict) -> Path:
+    path = summary_path(run_dir)
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    return path

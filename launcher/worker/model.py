@@ -69,7 +69,8 @@ def build_model(spec, config, plan: PrecisionPlan):
     import torch
     from transformers import AutoModelForCausalLM
 
-    dtype = getattr(torch, plan.model_dtype)
+    lora = lora_settings(spec)
+    dtype = getattr(torch, lora.compute_dtype if lora and lora.quant_type else plan.model_dtype)
     common = dict(dtype=dtype, attn_implementation=spec.attn_implementation,
                   trust_remote_code=spec.trust_remote_code)
     if spec.init == "random":
@@ -84,7 +85,28 @@ def build_model(spec, config, plan: PrecisionPlan):
     if spec.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
+    if lora is not None:
+        model = apply_peft(model, spec, lora)
     return model
+
+
+def lora_settings(spec):
+    """The run's LoRA/QLoRA settings (run.json `peft`), or None for full fine-tuning."""
+    from launcher.peft import LoraSettings
+
+    peft = getattr(spec, "peft", None)
+    return LoraSettings.from_dict(peft) if peft else None
+
+
+def apply_peft(model, spec, lora):
+    """The same peft.LoraConfig the estimator traced (launcher/peft.py). QLoRA first replaces the
+    base Linears by bitsandbytes 4-bit ones on the GPU. DeepSpeed casts the whole module to its
+    16-bit dtype itself, so peft keeps the adapters in the model's dtype there."""
+    from launcher.peft import apply_lora, quantize_base_4bit
+
+    if lora.quant_type is not None:
+        model = quantize_base_4bit(model, lora)
+    return apply_lora(model, lora, autocast_adapter_dtype=spec.backend != "deepspeed")
 
 
 def param_bytes(model) -> int:

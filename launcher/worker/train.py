@@ -11,7 +11,7 @@ import warnings
 from dataclasses import asdict, dataclass
 
 from launcher.errors import ConfigError
-from launcher.worker import checkpoint, metrics
+from launcher.worker import checkpoint, metrics, oom
 from launcher.worker.backends import check_backend, make_backend
 from launcher.worker.data import (PackedDataset, load_dataset, micro_batch_positions, read_documents,
                                   samples_per_step)
@@ -98,6 +98,10 @@ def init_distributed(spec, env: RankEnv) -> None:
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed(dist_backend=dist_backend)
+    elif spec.backend == "colossalai":  # colossalai.launch_from_torch (launcher/worker/colossalai_backend.py)
+        from launcher.worker.colossalai_backend import launch
+
+        launch(spec.seed)
     else:
         dist.init_process_group(dist_backend)
 
@@ -121,12 +125,21 @@ def run(spec) -> None:
     inputs = validate(spec)
     dataset = load_dataset(spec.data_path, spec.text_key, inputs.tokenizer, spec.seq_len, spec.seed)
     env = rank_env(spec)
-    resume_dir = checkpoint.find_resume_dir(spec.run_dir, spec.resume, warn=env.rank == 0)
+    restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    oom.exit_if_oom_before_restart(spec, env.rank, restart_count)
+    # after an elastic restart (torchrun --max-restarts) continue from the latest checkpoint
+    resume = spec.resume or restart_count > 0
+    resume_dir = checkpoint.find_resume_dir(spec.run_dir, resume, warn=env.rank == 0)
     init_distributed(spec, env)
     import torch.distributed as dist
 
+    progress = oom.Progress()
     try:
-        train(spec, env, inputs, dataset, resume_dir)
+        train(spec, env, inputs, dataset, resume_dir, progress)
+    except Exception as err:
+        if oom.is_oom(err):
+            oom.exit_after_oom(spec, env.rank, env.device, progress, err)
+        raise
     finally:
         dist.destroy_process_group()
 
@@ -148,7 +161,8 @@ def _mean_loss(losses: list) -> float:
     return float(loss) / dist.get_world_size()
 
 
-def train(spec, env: RankEnv, inputs: Inputs, dataset: PackedDataset, resume_dir) -> None:
+def train(spec, env: RankEnv, inputs: Inputs, dataset: PackedDataset, resume_dir,
+          progress: oom.Progress | None = None) -> None:
     import torch
 
     seed_everything(spec.seed)  # identical initial weights on every rank
@@ -165,7 +179,7 @@ def train(spec, env: RankEnv, inputs: Inputs, dataset: PackedDataset, resume_dir
             state = checkpoint.load(backend, resume_dir, env.rank)
             if env.rank == 0:
                 print(f"resumed from {resume_dir} at step {state.step}", flush=True)
-        records = _loop(spec, env, backend, dataset, meter, state, device)
+        records = _loop(spec, env, backend, dataset, meter, state, device, progress or oom.Progress())
         overall = _gather(asdict(meter.overall) if meter.overall else None)
     if env.rank == 0:
         summary = metrics.build_summary(records, overall, spec.estimate, env.world_size)
@@ -174,12 +188,13 @@ def train(spec, env: RankEnv, inputs: Inputs, dataset: PackedDataset, resume_dir
         print(metrics.summary_table(summary), flush=True)
 
 
-def _loop(spec, env, backend, dataset, meter, state, device) -> list[dict]:
+def _loop(spec, env, backend, dataset, meter, state, device, progress: oom.Progress) -> list[dict]:
     import torch
 
     step_samples = samples_per_step(env.world_size, spec.micro_batch_size, spec.grad_accum_steps)
-    position, records = state.data_position, []
+    position, records = state.data_position, progress.records
     for step in range(state.step + 1, spec.max_steps + 1):
+        progress.step = step
         lr = backend.lr
         start_s = time.perf_counter()
         losses, block_ids = [], []
@@ -192,8 +207,10 @@ def _loop(spec, env, backend, dataset, meter, state, device) -> list[dict]:
         if env.device == "cuda":
             torch.cuda.synchronize()
         step_s = time.perf_counter() - start_s
+        peak = meter.take_step()
+        oom.check_simulated(peak, progress)
         record = _record(step, position, step_samples, spec, lr, step_s, _mean_loss(losses),
-                         _gather((block_ids, _peak_dict(meter.take_step()))))
+                         _gather((block_ids, _peak_dict(peak))))
         position += step_samples
         records.append(record)
         if env.rank == 0:
