@@ -15,16 +15,63 @@ from launcher.config import LauncherConfig
 from launcher.errors import ConfigError, collect
 
 
-def to_config(cfg: DictConfig) -> LauncherConfig:
-    """The last place that knows about OmegaConf; validates every value at once."""
+def to_config(cfg: DictConfig, argv: list[str] | None = None) -> LauncherConfig:
+    """The last place that knows about OmegaConf; validates every value at once. `argv`: the
+    command-line overrides (default sys.argv[1:]), the only place trust_remote_code may come from."""
     config: LauncherConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
-    collect(problems(config))
+    collect(problems(config, argv))
     return config
 
 
-def problems(c: LauncherConfig) -> list[str]:
-    """Every problem with the values, each naming the key and the fix."""
+def set_true_on_command_line(key: str, argv: list[str]) -> bool:
+    """Whether the last override of `key` in argv (Hydra syntax, optional +/++ prefix) is a value
+    OmegaConf reads as true (its BooleanNode accepts true/yes/on/y/1, any case)."""
+    values = [a.partition("=")[2] for a in argv if a.partition("=")[0].lstrip("+~") == key]
+    return bool(values) and values[-1].strip().strip("'\"").lower() in ("true", "yes", "on", "y", "1")
+
+
+def run_problems(c: LauncherConfig) -> list[str]:
+    """Limits of the run-time keys: dataset, resume, fallback, checkpoints, restarts, numbers."""
+    import math
+
     out: list[str] = []
+    t = c.training
+    if c.data.path != "demo" and not Path(c.data.path).expanduser().exists():
+        out.append(f"data.path={c.data.path}: no such file or directory; give a .txt, .jsonl, a "
+                   f"datasets.save_to_disk directory, or data.path=demo")
+    if not isinstance(c.resume, (bool, str)):
+        out.append(f"resume={c.resume}: must be false or the directory of a previous run (resume=runs/<date>/<time>_<model>)")
+    for key, value in (("training.warmup_steps", t.warmup_steps), ("training.weight_decay", t.weight_decay),
+                       ("training.max_grad_norm", t.max_grad_norm), ("checkpoint.every_steps", c.checkpoint.every_steps),
+                       ("checkpoint.keep", c.checkpoint.keep), ("launch.max_restarts", c.launch.max_restarts),
+                       ("max_fallbacks", c.max_fallbacks)):
+        if not value >= 0 or (isinstance(value, float) and not math.isfinite(value)):
+            out.append(f"{key}={value}: must be zero or more")
+    if not math.isfinite(t.learning_rate):
+        out.append(f"training.learning_rate={t.learning_rate}: must be a finite number, e.g. 2e-4")
+    if not 1 <= c.launch.master_port <= 65535:
+        out.append(f"launch.master_port={c.launch.master_port}: must be a TCP port in 1..65535, e.g. 29517")
+    if c.worker.simulate_oom_above_bytes is not None and c.worker.simulate_oom_above_bytes < 1:
+        out.append(f"worker.simulate_oom_above_bytes={c.worker.simulate_oom_above_bytes}: must be positive or null")
+    hw = c.hardware
+    for key in ("host_memory_bytes", "matmul_efficiency", "memory_bandwidth_gbps", "intra_node_bandwidth_gbps",
+                "inter_node_bandwidth_gbps", "host_link_bandwidth_gbps"):
+        value = getattr(hw, key)
+        if not (value > 0 and math.isfinite(value)):
+            out.append(f"hardware.{key}={value}: must be a positive number")
+    if not hw.matmul_efficiency <= 1:
+        out.append(f"hardware.matmul_efficiency={hw.matmul_efficiency}: must be at most 1 (a fraction of peak)")
+    out += [f"hardware.peak_tflops.{k}={v}: must be a positive number" for k, v in hw.peak_tflops.items()
+            if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v))]
+    from launcher.slurm import launch_problems
+
+    out += launch_problems(c)
+    return out
+
+
+def problems(c: LauncherConfig, argv: list[str] | None = None) -> list[str]:
+    """Every problem with the values, each naming the key and the fix."""
+    out: list[str] = run_problems(c)
     t = c.training
     if c.gpus < 1:
         out.append(f"gpus={c.gpus}: must be at least 1; e.g. gpus=4")
@@ -59,7 +106,8 @@ def problems(c: LauncherConfig) -> list[str]:
         out.append(f"ddp.bucket_cap_mb={c.ddp.bucket_cap_mb}: must be positive, e.g. 25")
     if c.hardware.memory_bytes <= 0:
         out.append(f"hardware.memory_bytes={c.hardware.memory_bytes}: must be positive")
-    if c.model.trust_remote_code and "model.trust_remote_code=true" not in " ".join(sys.argv).lower():
+    if c.model.trust_remote_code and not set_true_on_command_line(
+            "model.trust_remote_code", sys.argv[1:] if argv is None else argv):
         out.append("model.trust_remote_code: may only be enabled on the command line "
                    "(model.trust_remote_code=true), never from a config or recipe file")
     return out
@@ -85,9 +133,33 @@ def main(cfg: DictConfig) -> None:
 
     config = to_config(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if isinstance(config.resume, str):  # resume=<run dir>: continue that run (launcher/fallback.py)
+        from launcher import fallback
+
+        rc = fallback.resume_run(config, quiet=config.report.name == "json")
+        if rc != 0:
+            sys.exit(rc)
+        return
+    if (run_dir / "plan.json").exists():
+        raise ConfigError(f"run directory {run_dir} already holds a run (plan.json) and is never overwritten; "
+                          f"use a new hydra.run.dir, or resume={run_dir} to continue that run")
     config.run_dir = str(run_dir)
+    if config.mode.name == "calibrate":
+        from launcher import calibrate
+
+        calibrate.main(config, run_dir)
+        return
     spec = model_spec(config)
+    if config.mode.name == "infer_plan":  # serving memory per GPU (launcher/infer_plan.py)
+        from launcher import infer_plan
+
+        result = infer_plan.infer_plan(config, spec)
+        (run_dir / "infer_plan.json").write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result, indent=2) if config.report.name == "json" else infer_plan.format_report(result))
+        return
     mode = config.mode.name
+    if mode == "auto" and config.launch.kind.name == "slurm":
+        mode = "run"  # launch=slurm: the GPUs are on the cluster, not here
     if mode == "auto":
         mode = "run" if local_gpu_names() or config.hardware.device == "cpu" else "plan"
         if mode == "plan" and config.hardware.device != "cpu":
@@ -112,10 +184,27 @@ def main(cfg: DictConfig) -> None:
     quiet = config.report.name == "json"
     if not quiet:
         print(f"\nrun directory: {run_dir}\nlaunch command: {job.command_line}")
-    if mode in ("run", "measure"):
-        rc = launch.execute(job, quiet=quiet)
+    if config.launch.kind.name != "torchrun":  # launch=slurm / sbatch_script (launcher/slurm.py)
+        from launcher import slurm
+
+        rc = slurm.dispatch(config, job, plan.candidates[plan.chosen], mode, quiet)
+        if rc == 0 and mode == "run" and config.launch.kind.name == "slurm" and config.launch.wait and not quiet:
+            report.print_summary(run_dir)
         if rc != 0:
-            print(f"error: training exited with code {rc}; logs in {run_dir}", file=sys.stderr)
+            sys.exit(rc)
+        return
+    if mode == "measure":
+        from launcher import measure
+
+        result = measure.measure(job, plan, config)
+        print(json.dumps(result, indent=2) if quiet else "\n" + measure.format_result(result))
+        return
+    if mode in ("run", "measure"):
+        from launcher import fallback
+
+        rc, final_dir = fallback.run_with_fallback(plan, config, spec, job, quiet=quiet)
+        if rc != 0:
+            print(f"error: training exited with code {rc}; logs in {final_dir}", file=sys.stderr)
             sys.exit(rc)
         if not quiet:
-            report.print_summary(run_dir)
+            report.print_summary(final_dir)

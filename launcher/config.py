@@ -29,30 +29,45 @@ Precision = _enum(
 )
 Optimizer = _enum(
     "Optimizer",
-    ["adamw_torch", "adamw_torch_fused", "adamw_torch_foreach", "sgd"],
+    ["adamw_torch", "adamw_torch_fused", "adamw_torch_foreach", "sgd", "adamw_bnb_8bit",
+     "paged_adamw_8bit", "adafactor"],
     "HF TrainingArguments `optim` names. adamw_torch = torch.optim.AdamW with its default "
     "implementation (foreach on this torch when all tensors are on one device); "
     "adamw_torch_fused = fused=True; adamw_torch_foreach = foreach=True; sgd = torch.optim.SGD "
-    "(momentum 0.9).",
+    "(momentum 0.9); adamw_bnb_8bit = bitsandbytes.optim.AdamW8bit (8-bit blockwise states); "
+    "paged_adamw_8bit = bitsandbytes.optim.PagedAdamW8bit (same, states in CUDA unified memory); "
+    "adafactor = transformers.optimization.Adafactor (factored second moment, no first moment).",
 )
 Attention = _enum(
     "Attention", ["eager", "sdpa", "flash_attention_2"], "transformers' attn_implementation."
 )
 StrategyName = _enum(
     "StrategyName",
-    ["auto", "ddp", "zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"],
+    ["auto", "ddp", "zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload",
+     "cai_ddp", "cai_zero1", "cai_zero2", "cai_gemini", "cai_tp", "cai_pp"],
     "auto = plan every candidate. ddp = torch DistributedDataParallel. zero0..zero3 = DeepSpeed "
     "ZeRO stage 0..3; *_offload = ZeRO-Offload of optimizer states (and for stage 3 "
-    "parameters) to host memory.",
+    "parameters) to host memory. cai_* = ColossalAI plugins (optional install, see README "
+    "'ColossalAI'): cai_ddp TorchDDPPlugin, cai_zero1/cai_zero2 LowLevelZeroPlugin stage 1/2, "
+    "cai_gemini GeminiPlugin (chunk-based ZeRO-3), cai_tp HybridParallelPlugin with 1D tensor "
+    "parallelism (colossalai.tp_size, null = every valid size), cai_pp HybridParallelPlugin with "
+    "1F1B pipeline parallelism (colossalai.pp_size).",
 )
 Mode = _enum(
     "Mode",
-    ["auto", "plan", "run", "measure"],
+    ["auto", "plan", "run", "measure", "calibrate", "infer_plan"],
     "auto = run when local GPUs are found, else plan. plan = estimate and write the run "
     "directory without training. run = plan then start torchrun. measure = run a few steps and "
-    "report measured peak memory next to the estimate.",
+    "report measured peak memory next to the estimate. calibrate = measure this machine "
+    "(matmul throughput, collective bandwidth, per-op overhead) and write a hardware profile. "
+    "infer_plan = per-GPU serving memory (weights, KV cache, activations; section `inference`).",
 )
 Report = _enum("Report", ["table", "json"], "How the plan is printed on stdout.")
+LaunchKind = _enum(
+    "LaunchKind", ["torchrun", "slurm", "sbatch_script"],
+    "torchrun = run here (launcher/launch.py). slurm = submit a Slurm job with submitit: one task "
+    "per node, each running torchrun against a c10d rendezvous on the first node "
+    "(launcher/slurm.py). sbatch_script = write RUN_DIR/sbatch.sh for submission by hand.")
 Init = _enum(
     "Init",
     ["random", "pretrained"],
@@ -110,6 +125,23 @@ class HardwareConfig:
     """CUDA compute capability x10 (70 V100, 80 A100, 89 Ada, 90 Hopper); selects cuBLAS workspace."""
     cuda_context_bytes: int = 768 * 2**20
     """CUDA context + loaded kernels after the first training step (outside the allocator)."""
+    op_overhead_s: float = 5.0e-6
+    """Host time to dispatch one tensor op (Python, dispatcher, allocation, kernel launch), s.
+    CPU: measured by mode=calibrate (a chain of tiny ops); it adds to compute time. GPU: launches
+    are asynchronous, so it only matters when it exceeds the GPU's work (launcher/speed.py).
+    The 5 us default is an assumption for eager PyTorch on a GPU: a kernel launch costs a few
+    microseconds of CPU time, which is why small kernels are launch-bound
+    (https://pytorch.org/blog/accelerating-pytorch-with-cuda-graphs/)."""
+    elementwise_gbps: Optional[float] = None
+    """Bytes per second (GB/s) of fresh outputs that elementwise ops produce (allocation, first
+    touch, read of the inputs, write). Measured by mode=calibrate; null = memory_bandwidth_gbps / 3
+    (read two inputs, write one output)."""
+    all_gather_bandwidth_gbps: Optional[float] = None
+    """Bus bandwidth of all-gather when it differs from the all-reduce's (gloo's all-gather is
+    several times slower), GB/s; null = intra_node_bandwidth_gbps. Measured by mode=calibrate."""
+    collective_latency_s: float = 2.0e-5
+    """Fixed time of one collective call (a 4-byte all-reduce), s. CPU gloo: measured by
+    mode=calibrate; GPU NCCL: ~20 us intra-node small-message latency (nccl-tests, assumption)."""
 
 
 @dataclass
@@ -135,6 +167,59 @@ class TrainingConfig:
     max_steps: int = 30
     """Optimizer steps of a run."""
     seed: int = 1234
+    allow_peft: bool = False
+    """strategy=auto may also plan LoRA/QLoRA candidates (which train adapters, not the full
+    model) and gradient checkpointing as ways to fit; each candidate says what it trains."""
+
+
+PeftMethod = _enum(
+    "PeftMethod", ["none", "lora", "qlora"],
+    "none = full fine-tuning; lora = LoRA adapters (arXiv:2106.09685) on a frozen base; qlora = "
+    "LoRA on a base whose Linear weights are bitsandbytes 4-bit (arXiv:2305.14314; GPU only).")
+QuantType = _enum("QuantType", ["nf4", "fp4"], "bitsandbytes 4-bit data type (bnb_4bit_quant_type).")
+ComputeDtype = _enum("ComputeDtype", ["bfloat16", "float16"], "bnb_4bit_compute_dtype for QLoRA.")
+InferPrecision = _enum(
+    "InferPrecision", ["bf16", "fp16", "int8", "nf4", "fp4"],
+    "Serving weights: 16-bit, LLM.int8 (bitsandbytes Int8Params) or bitsandbytes 4-bit.")
+
+
+@dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning with HF PEFT (launcher/peft.py builds the peft.LoraConfig);
+    the estimator traces the very modules `peft.get_peft_model` creates."""
+
+    method: PeftMethod = PeftMethod["none"]  # type: ignore[valid-type]
+    r: int = 8
+    """LoRA rank."""
+    alpha: int = 16
+    """lora_alpha (the update is scaled by alpha / r)."""
+    dropout: float = 0.05
+    """lora_dropout on the adapter's input."""
+    target_modules: Optional[List[str]] = None
+    """Module names to adapt. null = PEFT's default for the architecture
+    (peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING)."""
+    quant_type: QuantType = QuantType["nf4"]  # type: ignore[valid-type]
+    """QLoRA: 4-bit type of the base Linear weights."""
+    double_quant: bool = True
+    """QLoRA: quantize the absmax constants again (bnb_4bit_use_double_quant)."""
+    compute_dtype: ComputeDtype = ComputeDtype["bfloat16"]  # type: ignore[valid-type]
+    """QLoRA: dtype the frozen base computes (and is kept) in, except its 4-bit Linear weights."""
+
+
+@dataclass
+class InferenceConfig:
+    """mode=infer_plan: serving memory of `generate` per GPU (launcher/infer_plan.py)."""
+
+    precision: InferPrecision = InferPrecision["bf16"]  # type: ignore[valid-type]
+    batch_size: int = 1
+    prompt_len: int = 1024
+    """Prompt tokens per sequence."""
+    gen_len: int = 256
+    """Generated tokens per sequence (max_new_tokens)."""
+    tp_size: int = 1
+    """Tensor-parallel GPUs the model is split over (memory reported per GPU)."""
+    double_quant: bool = False
+    """nf4/fp4: bnb_4bit_use_double_quant (BitsAndBytesConfig's default is False)."""
 
 
 @dataclass
@@ -175,6 +260,53 @@ class DDPConfig:
 
 
 @dataclass
+class ColossalAIConfig:
+    """ColossalAI 0.5.0 plugin knobs that change memory; the estimator and the emitted
+    colossalai_plugin.json read the same values. Defaults are the plugins' own
+    (colossalai/booster/plugin/gemini_plugin.py `GeminiPlugin.__init__`,
+    hybrid_parallel_plugin.py `HybridParallelPlugin.__init__`, low_level_zero_plugin.py
+    `LowLevelZeroPlugin.__init__`)."""
+
+    placement_policy: str = "static"
+    """Gemini: 'static' (fixed fractions below) or 'auto' (moves chunks by measured memory).
+    Default 'static' (gemini_plugin.py)."""
+    shard_param_frac: float = 1.0
+    """Gemini static: fraction of parameter chunks sharded over the data-parallel ranks (1.0 =
+    ZeRO-3, 0.0 = replicated like ZeRO-2). Default 1.0 (gemini_plugin.py)."""
+    offload_optim_frac: float = 0.0
+    """Gemini static: fraction of fp32 master/optimizer chunks kept in host memory. Default 0.0."""
+    offload_param_frac: float = 0.0
+    """Gemini static: fraction of 16-bit parameter chunks kept in host memory (needs
+    shard_param_frac=1.0). Default 0.0 (gemini_plugin.py, placement_policy.py StaticPlacementPolicy)."""
+    search_range_m: int = 32
+    """Gemini chunk-size search range, in 2^20 elements. Default 32 (gemini_plugin.py;
+    colossalai/zero/gemini/chunk/search_utils.py `search_chunk_configuration`)."""
+    min_chunk_size_m: float = 32.0
+    """Gemini: smallest chunk, in 2^20 elements; a model with fewer parameters stays in one
+    gathered (unsharded) chunk. Default 32 (search_utils.py)."""
+    hidden_dim: Optional[int] = None
+    """Gemini chunk-search step in elements. null = 1024 (chunk/utils.py `init_chunk_manager`)."""
+    reduce_bucket_size_in_m: int = 12
+    """LowLevelZero reduction bucket, in 2^20 elements (LowLevelZeroPlugin default 12;
+    HybridParallelPlugin `zero_bucket_size_in_m` default 12)."""
+    tp_size: Optional[int] = None
+    """HybridParallel tensor-parallel size for cai_tp: must divide gpus, num_attention_heads and
+    num_key_value_heads. null = plan every such size > 1 (no plugin default: required argument)."""
+    pp_size: Optional[int] = None
+    """HybridParallel pipeline stages for cai_pp: must divide the number of layers and gpus. null
+    = plan every such size > 1 (no plugin default: required argument)."""
+    num_microbatches: Optional[int] = None
+    """HybridParallel 1F1B micro-batches per step and rank. null = pp_size (the smallest that
+    fills the pipeline); plugin default None (then microbatch_size must be given)."""
+    zero_stage: int = 0
+    """HybridParallel ZeRO stage (0, 1 or 2) on the data-parallel dimension of cai_tp / cai_pp.
+    Default 0 (hybrid_parallel_plugin.py); with pp_size > 1 stage 2 is not allowed."""
+    overlap_communication: Optional[bool] = None
+    """LowLevelZero/Hybrid: overlap gradient reduction on a side stream. null = True on GPUs (the
+    plugins' default) and False on CPU (no streams)."""
+
+
+@dataclass
 class PlannerConfig:
     safety_margin: float = 0.05
     """Fraction of device memory kept free when deciding that a candidate fits."""
@@ -184,9 +316,33 @@ class PlannerConfig:
 
 @dataclass
 class LaunchConfig:
-    kind: str = "torchrun"
+    """How the chosen plan is started: the `launch` group (conf/launch/), e.g. launch=slurm."""
+
+    kind: LaunchKind = LaunchKind["torchrun"]  # type: ignore[valid-type]
     master_port: int = 29517
+    """TCP port of the c10d rendezvous on the first node (multi-node runs)."""
     max_restarts: int = 0
+    """torchrun --max-restarts: after a rank fails, restart every rank this many times; the
+    restarted workers continue from the latest complete checkpoint (set checkpoint.every_steps)."""
+    partition: Optional[str] = None
+    """Slurm partition (sbatch --partition). null = the cluster's default partition."""
+    account: Optional[str] = None
+    """Slurm account to charge (sbatch --account). null = the user's default account."""
+    time_min: int = 60
+    """Slurm time limit of the job, minutes (sbatch --time)."""
+    cpus_per_task: Optional[int] = None
+    """CPUs of the one task per node that runs torchrun (sbatch --cpus-per-task); OMP_NUM_THREADS
+    of each rank is this divided by the ranks per node. null = Slurm's default (1)."""
+    mem_gb: Optional[int] = None
+    """Host memory per node, GB (sbatch --mem). null = the partition's default."""
+    gpus_per_node: Optional[int] = None
+    """GPUs requested per node (sbatch --gpus-per-node). null = gpus / nodes, or 0 with hardware=cpu."""
+    wait: bool = True
+    """launch=slurm: wait for the job to end and report its final state (sacct) and summary.
+    false = submit and return (e.g. to submit every point of a -m sweep at once)."""
+    wait_timeout_min: Optional[float] = None
+    """Longest the launcher waits for a submitted job, minutes (the job keeps running after).
+    null = launch.time_min + 30 (a half-hour allowance for queueing)."""
 
 
 @dataclass
@@ -198,6 +354,43 @@ class CheckpointConfig:
 
 
 @dataclass
+class MeasureConfig:
+    """mode=measure (launcher/measure.py): a memory pass with the allocation tracker, then a
+    timing pass without it (the tracker intercepts every op and slows small models ~2x)."""
+
+    memory_steps: int = 3
+    """Optimizer steps of the memory pass (the peak is steady from the second step on)."""
+    timing_steps: int = 8
+    """Optimizer steps of the timing pass (0 = no timing pass: step time is not reported)."""
+    warmup_steps: int = 2
+    """Leading steps of the timing pass left out of the median step time (lazy allocations,
+    optimizer-state creation, first-call caches)."""
+    keep_checkpoints: bool = False
+    """Keep the checkpoints the worker writes at the last step (measure runs do not need them)."""
+
+
+@dataclass
+class CalibrateConfig:
+    """mode=calibrate (launcher/calibrate.py): what to measure on this machine."""
+
+    matmul_sizes: List[int] = field(default_factory=lambda: [256, 512, 1024])
+    """Square matmul sizes n (n x n @ n x n); the profile keeps the best sustained rate."""
+    collective_mib: List[float] = field(default_factory=lambda: [1.0, 16.0, 64.0])
+    """Message sizes of the all-reduce / all-gather runs between `gpus` local ranks."""
+    repeats: int = 5
+    """Timed repetitions per measurement (the median is kept)."""
+
+
+@dataclass
+class WorkerConfig:
+    """Testing aids for the per-rank worker (launcher/worker/oom.py)."""
+
+    simulate_oom_above_bytes: Optional[int] = None
+    """Testing aid: a step whose measured peak exceeds this many bytes raises torch.OutOfMemoryError,
+    as a device of that size would (exercises the out-of-memory fallback on CPU). null = off."""
+
+
+@dataclass
 class LauncherConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
@@ -205,9 +398,15 @@ class LauncherConfig:
     data: DataConfig = field(default_factory=DataConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
+    colossalai: ColossalAIConfig = field(default_factory=ColossalAIConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    measure: MeasureConfig = field(default_factory=MeasureConfig)
+    calibrate: CalibrateConfig = field(default_factory=CalibrateConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
     gpus: int = 1
     """Total number of GPUs (or CPU processes with hardware=cpu) over all nodes."""
     nodes: int = 1
@@ -215,8 +414,16 @@ class LauncherConfig:
     mode: Mode = Mode["auto"]  # type: ignore[valid-type]
     report: Report = Report["table"]  # type: ignore[valid-type]
     init: Init = Init["random"]  # type: ignore[valid-type]
-    resume: bool = False
-    """Continue from the latest complete checkpoint in run_dir."""
+    resume: Any = False
+    """false, or the run directory of a previous run (resume=runs/<date>/<time>_<model>): continue
+    it from its latest complete checkpoint, with the same plan and data order, writing into that
+    directory under new names (.hydra-resume-N/, run-resume-N.json); only training.max_steps,
+    checkpoint.*, launch.* and report may change. resume=true with hydra.run.dir=<dir> is the same."""
+    fallback: bool = True
+    """When a launched run runs out of device memory, relaunch it with the next-ranked candidate
+    that fits and needs less memory, in RUN_DIR/attempt-N/ (launcher/fallback.py)."""
+    max_fallbacks: int = 2
+    """Relaunches after out-of-memory errors before giving up."""
     run_dir: Optional[str] = None
     """Set by the app to Hydra's output directory."""
     cache_dir: Optional[str] = None

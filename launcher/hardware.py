@@ -60,4 +60,7 @@ def cluster_from(hw: HardwareConfig, num_gpus: int, num_nodes: int) -> Cluster:
         inter_node_bandwidth_gbps=float(hw.inter_node_bandwidth_gbps),
         host_link_bandwidth_gbps=float(hw.host_link_bandwidth_gbps),
         sm_arch=int(hw.sm_arch), cuda_context_bytes=int(hw.cuda_context_bytes),
+        op_overhead_s=float(hw.op_overhead_s), collective_latency_s=float(hw.collective_latency_s),
+        all_gather_bandwidth_gbps=None if hw.all_gather_bandwidth_gbps is None else float(hw.all_gather_bandwidth_gbps),
+        elementwise_gbps=None if hw.elementwise_gbps is None else float(hw.elementwise_gbps),
     )

@@ -25,7 +25,9 @@ class Job:
 
     @property
     def command_line(self) -> str:
-        return " ".join(shlex.quote(a) for a in self.argv)
+        from launcher.slurm import shell_word  # quotes, but keeps ${MASTER_ADDR}/${RUN_ID} expandable
+
+        return " ".join(shell_word(a) for a in self.argv)
 
 
 def torchrun_argv(config: LauncherConfig, run_json: Path) -> list[str]:
@@ -50,7 +52,8 @@ def run_spec(c: Candidate, config: LauncherConfig, spec: ModelSpec, run_dir: Pat
         hf_config=spec.hf_config, init=config.init.name, pretrained_path=config.model.pretrained_path,
         tokenizer_path=config.model.tokenizer_path, trust_remote_code=config.model.trust_remote_code,
         device=config.hardware.device, precision=t.precision.name, optimizer=t.optimizer.name,
-        attn_implementation=t.attn_implementation.name, gradient_checkpointing=t.gradient_checkpointing,
+        attn_implementation=t.attn_implementation.name,
+        gradient_checkpointing=t.gradient_checkpointing or c.gradient_checkpointing, peft=c.peft or {},
         seq_len=t.seq_len, micro_batch_size=c.micro_batch_size, grad_accum_steps=c.grad_accum_steps,
         max_steps=t.max_steps, learning_rate=t.learning_rate, weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm, warmup_steps=t.warmup_steps, seed=t.seed,
@@ -64,6 +67,18 @@ def run_spec(c: Candidate, config: LauncherConfig, spec: ModelSpec, run_dir: Pat
     )
 
 
+def job_env(config: LauncherConfig) -> dict:
+    """Environment of the torchrun command: threads per rank, restart and testing settings."""
+    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // max(1, config.gpus // config.nodes)))}
+    if config.launch.max_restarts > 0:
+        # Restarted workers must not share torchrun's rendezvous store: keys of the previous attempt
+        # (gloo/NCCL addresses) would be read again (https://github.com/pytorch/pytorch/issues/135712).
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    if config.worker.simulate_oom_above_bytes is not None:  # testing aid, launcher/worker/oom.py
+        env["LAUNCHER_SIMULATE_OOM_ABOVE_BYTES"] = str(config.worker.simulate_oom_above_bytes)
+    return env
+
+
 def prepare(plan: Plan, config: LauncherConfig, spec: ModelSpec, run_dir: Path) -> Job:
     """Write run.json, the emitted framework config and launch_command.sh; return the Job."""
     from launcher.emit import emit
@@ -71,18 +86,22 @@ def prepare(plan: Plan, config: LauncherConfig, spec: ModelSpec, run_dir: Path) 
     c = plan.candidates[plan.chosen]
     dp = config.gpus // (c.strategy.tp_size * c.strategy.pp_size)
     filename, framework = emit(c.strategy, training=config.training, deepspeed=config.deepspeed, ddp=config.ddp,
-                               micro_batch_size=c.micro_batch_size, grad_accum_steps=c.grad_accum_steps, dp_size=dp)
+                               micro_batch_size=c.micro_batch_size, grad_accum_steps=c.grad_accum_steps, dp_size=dp,
+                               colossalai=config.colossalai, device=config.hardware.device)
     (run_dir / filename).write_text(json.dumps(framework, indent=2, sort_keys=True) + "\n")
     run_json = run_dir / "run.json"
     run_spec(c, config, spec, run_dir, framework).save(run_json)
     argv = torchrun_argv(config, run_json)
-    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // max(1, config.gpus // config.nodes)))}
+    env = job_env(config)
     job = Job(tuple(argv), env, run_dir, config.gpus)
     script = ["#!/usr/bin/env bash", "# Re-run this training exactly as launched.", "set -euo pipefail",
               *(f"export {k}={shlex.quote(v)}" for k, v in env.items()), job.command_line, ""]
     path = run_dir / "launch_command.sh"
     path.write_text("\n".join(script))
     path.chmod(0o755)
+    from launcher.recipes import installed_versions  # provenance of measured numbers (recipe_from=)
+
+    (run_dir / "versions.json").write_text(json.dumps(installed_versions(), indent=2, sort_keys=True) + "\n")
     return job
 
 
@@ -97,15 +116,16 @@ def check(job: Job) -> None:
                           capture_output=True, text=True)
     if proc.returncode != 0:
         lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
-        raise ConfigError(lines[-1].removeprefix("error: ") if lines else proc.stderr.strip().splitlines()[-1])
+        last = proc.stderr.strip().splitlines()[-1:] or [f"input check exited with code {proc.returncode}"]
+        raise ConfigError(lines[-1].removeprefix("error: ") if lines else last[0])
 
 
-def execute(job: Job, quiet: bool = False) -> int:
+def execute(job: Job, quiet: bool = False, log_name: str = "train.log") -> int:
     """Check, then run torchrun in the foreground; the worker's rank 0 prints progress; with
     `quiet` its output goes to train.log in the run directory. Returns torchrun's exit code."""
     check(job)
     env = {**os.environ, **job.env}
     if not quiet:
         return subprocess.run(job.argv, env=env).returncode
-    with open(job.run_dir / "train.log", "w") as log:
+    with open(job.run_dir / log_name, "x") as log:
         return subprocess.run(job.argv, env=env, stdout=log, stderr=subprocess.STDOUT).returncode

@@ -45,6 +45,7 @@ class RunSpec:
     resume: bool = False
     log_every: int = 1
     estimate: dict = field(default_factory=dict)  # estimated per-rank peak (bytes) for the summary
+    peft: dict = field(default_factory=dict)  # launcher.peft.LoraSettings.to_dict(); {} = full fine-tuning
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")

@@ -37,6 +37,10 @@ Assumptions (each is used in exactly one function below, whose docstring gives i
    param offload instead fetches its partition at every gather), over `host_link_bandwidth_gbps`
    per device, not overlapped (an upper bound). The optimizer step runs on the host at
    HOST_ADAM_PARAMS_PER_S per node, shared by the node's ranks.
+7. Host time (launcher/host_time.py, when the planner passes the traced step's counts): on CPU
+   processes op dispatch, activation traffic, the memory-bound optimizer, framework copies and
+   gloo collectives (latency per call + bytes) add to the FLOP time, all exposed; on a GPU only
+   op dispatch counts, as max(FLOP time, ops x op_overhead_s) since launches are asynchronous.
 """
 from __future__ import annotations
 
@@ -178,7 +182,8 @@ def offload_time_s(strategy: Strategy, cluster: Cluster, num_params: int, num_tr
 def estimate_speed(flops_per_micro_batch: Mapping[str, float], strategy: Strategy, workload: Workload,
                    cluster: Cluster, *, num_params: int, grad_accum_steps: int, dp_size: int,
                    ds: DeepSpeedConfig, ddp: Optional[DDPConfig] = None,
-                   num_trainable_params: Optional[int] = None) -> SpeedEstimate:
+                   num_trainable_params: Optional[int] = None, counts=None, cai=None,
+                   spec=None) -> SpeedEstimate:
     """Time of one optimizer step and cluster throughput for one candidate.
 
     compute_s = (F + B) x grad_accum / (peak_tflops[dtype] x 1e12 x matmul_efficiency), with F, B
@@ -187,6 +192,12 @@ def estimate_speed(flops_per_micro_batch: Mapping[str, float], strategy: Strateg
     tokens_per_s = micro_batch x grad_accum x dp x seq_len / step_s.
     `num_trainable_params` (default `num_params`) sizes gradients and optimizer work (PEFT);
     ZeRO-3 gathers all `num_params`.
+
+    With `counts` (launcher/host_time.py `StepCounts` of the traced step) the host terms are
+    added: on CPU processes step_s = compute_s + dispatch + activation traffic + optimizer +
+    framework copies + collectives (all exposed; `host_time_s`); on a GPU, kernel launches are
+    asynchronous, so compute_s = max(FLOP time, ops x op_overhead_s) (launch-bound small
+    kernels) and the rest is unchanged.
     """
     ddp = ddp or DDPConfig()
     trainable = num_params if num_trainable_params is None else num_trainable_params
@@ -211,16 +222,100 @@ def estimate_speed(flops_per_micro_batch: Mapping[str, float], strategy: Strateg
         if strategy.backend != "ddp" and strategy.zero_stage in (1, 2):
             gather_s = ring_time_s(trainable * elem_bytes, dp_size, bus_gbps, "all_gather")
             comm_s, exposed_s = comm_s + gather_s, exposed_s + gather_s
+    if strategy.backend == "colossalai":  # ColossalAI plugins: colossalai_comm
+        compute_s, comm_s, exposed_s, elem_bytes = colossalai_comm(
+            strategy, workload, cluster, compute_s, forward_s, backward_s, trainable=trainable,
+            num_params=num_params, dp=dp_size, accum=grad_accum_steps, ds=ds, ddp=ddp, cai=cai, spec=spec)
     offload_s = offload_time_s(strategy, cluster, num_params, trainable, dp_size,
                                grad_accum_steps, elem_bytes)
-    step_s = compute_s + exposed_s + offload_s
+    host = {}
+    if counts is not None:
+        compute_s, exposed_s, host = _with_host_terms(counts, strategy, workload, cluster, compute_s, exposed_s,
+                                                      trainable=trainable, num_params=num_params, dp=dp_size,
+                                                      accum=grad_accum_steps, ds=ds, ddp=ddp)
+    step_s = compute_s + exposed_s + offload_s + sum(v for k, v in host.items() if k != "comm_s")
     tokens = workload.micro_batch_size * grad_accum_steps * dp_size * workload.seq_len
     breakdown = {
         "compute_s": compute_s, "comm_s": comm_s, "exposed_comm_s": exposed_s,
         "offload_s": offload_s, "flops": (flops_per_micro_batch["forward"]
                                           + flops_per_micro_batch["backward"]) * grad_accum_steps,
         "compute_dtype": dtype, "bus_bandwidth_gbps": bus_gbps, "comm_bytes_per_elem": elem_bytes,
+        **{f"host_{k}": v for k, v in host.items()},
     }
     return SpeedEstimate(compute_s=compute_s, comm_s=exposed_s, step_s=step_s,
                          tokens_per_s=tokens / step_s if step_s > 0 else float("inf"),
                          breakdown=breakdown)
+
+
+def _with_host_terms(counts, strategy, workload, cluster, compute_s, exposed_s, *, trainable, num_params, dp,
+                     accum, ds, ddp):
+    """(compute_s, exposed comm_s, host terms) with launcher/host_time.py's terms (estimate_speed)."""
+    from launcher.host_time import host_time_s
+
+    if strategy.backend not in ("ddp", "deepspeed"):
+        return compute_s, exposed_s, {}  # host terms are modelled for torch DDP and DeepSpeed only
+    if cluster.device != "cpu":
+        ops = (counts.forward_ops + counts.backward_ops) * accum + counts.optimizer_ops
+        return max(compute_s, ops * cluster.op_overhead_s), exposed_s, {}
+    model_bytes = 4 if workload.precision in ("32-true",) or (
+        strategy.backend == "ddp" and workload.precision.endswith("-mixed")) else 2
+    master_bytes = model_bytes if strategy.backend == "ddp" else (2 if workload.precision == "bf16-true" else 4)
+    host = host_time_s(counts, strategy, workload, cluster, trainable=trainable, num_params=num_params, dp=dp,
+                       accum=accum, model_bytes=model_bytes, master_bytes=master_bytes,
+                       grad_bytes=grad_bytes_per_elem(strategy, workload.precision), ds=ds, ddp=ddp)
+    return compute_s, host["comm_s"], host
+
+
+def colossalai_comm(strategy: Strategy, workload: Workload, cluster: Cluster, compute_s: float,
+                    forward_s: float, backward_s: float, *, trainable: int, num_params: int, dp: int,
+                    accum: int, ds: DeepSpeedConfig, ddp: DDPConfig, cai=None, spec=None):
+    """(compute_s, comm_s, exposed_s, bytes per communicated element) of a ColossalAI candidate.
+
+    - cai_ddp: torch DDP (fp32 gradients under autocast), as `_grad_reduction`.
+    - cai_zero1/2 (LowLevelZero) and the DP dimension of cai_tp/cai_pp with zero_stage 1/2:
+      gradient reduce(-scatter) plus parameter all-gather, as DeepSpeed ZeRO-1/2 (ZeRO paper
+      arXiv:1910.02054 sec. 7); overlapped with backward only with overlap_communication.
+    - cai_gemini: chunk all-gathers in forward and backward and a gradient reduce-scatter per
+      micro-batch, as ZeRO-3 (`_zero3_comm`); chunks are gathered whole, so the volume is the
+      model's.
+    - tensor parallelism (tp > 1): the traced FLOPs are already one shard's. Each decoder layer
+      all-reduces b x s x hidden activations twice in forward (after attention and after the MLP,
+      the g operators) and twice in backward (the f operators) (Megatron-LM, arXiv:1909.08053
+      sec. 3), on the intra-node link over tp ranks, not overlapped. DP gradients are 1/tp.
+    - pipeline parallelism (p > 1): the micro-batches of one optimizer step (grad_accum, a
+      multiple of num_microbatches m) are the pipeline's micro-batches; the traced FLOPs cover all
+      layers, a stage runs 1/p of them, and each 1F1B flush of m micro-batches idles
+      (p-1)/(m+p-1) of its time (the bubble; GPipe arXiv:1811.06965, 1F1B arXiv:2104.04473
+      sec. 2.2): compute_s / p / (1 - bubble). Stage-to-stage activation sends are not modelled
+      (b x s x hidden per micro-batch, small next to the all-reduces)."""
+    from launcher.config import ColossalAIConfig
+
+    cai = cai or ColossalAIConfig()
+    tp, pp = strategy.tp_size, strategy.pp_size
+    elem = 4 if workload.precision == "32-true" or strategy.name == "cai_ddp" else 2
+    bus = bus_bandwidth_gbps(cluster)
+    grads, params = trainable * elem / (tp * pp), num_params * elem / (tp * pp)
+    if strategy.name == "cai_ddp":
+        comm, exposed = _grad_reduction(Strategy("ddp", "ddp"), ds, ddp, dp, bus, grads, elem, accum, backward_s)
+    elif strategy.name == "cai_gemini":
+        comm, exposed = _zero3_comm(dp, bus, params, grads, accum, forward_s, backward_s, True)
+    elif strategy.zero_stage in (1, 2):
+        comm = ring_time_s(grads, dp, bus, "reduce_scatter") * (accum if strategy.zero_stage == 2 else 1)
+        gather = ring_time_s(grads, dp, bus, "all_gather")
+        overlap = cai.overlap_communication if cai.overlap_communication is not None else cluster.device != "cpu"
+        exposed = (max(0.0, comm - backward_s * accum) if overlap else comm) + gather
+        comm += gather
+    else:
+        comm = exposed = ring_time_s(grads, dp, bus, "all_reduce")
+    if tp > 1 and spec is not None:
+        act_bytes = workload.micro_batch_size * workload.seq_len * spec.hidden_size * elem
+        tp_s = 4 * spec.num_layers / pp * ring_time_s(act_bytes, tp, cluster.intra_node_bandwidth_gbps,
+                                                      "all_reduce") * accum
+        comm, exposed = comm + tp_s, exposed + tp_s
+    if pp > 1:
+        from launcher.emit.colossalai import num_microbatches
+
+        m = num_microbatches(cai, pp)
+        bubble = (pp - 1) / (m + pp - 1)
+        compute_s = compute_s / pp / (1 - bubble)
+    return compute_s, comm, exposed, elem

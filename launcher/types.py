@@ -35,6 +35,10 @@ class Cluster:
     host_link_bandwidth_gbps: float
     sm_arch: int
     cuda_context_bytes: int
+    op_overhead_s: float = 5.0e-6  # host time per dispatched op (HardwareConfig.op_overhead_s)
+    collective_latency_s: float = 2.0e-5  # fixed time per collective call
+    all_gather_bandwidth_gbps: Optional[float] = None  # None = intra_node_bandwidth_gbps
+    elementwise_gbps: Optional[float] = None  # fresh elementwise output bytes/s; None = memory bandwidth / 3
 
     @property
     def gpus_per_node(self) -> int:
@@ -86,6 +90,9 @@ class Candidate:
     fits: bool
     reason: str  # why it fits / does not fit / lost
     trains: str = "full"  # 'full' fine-tuning or 'adapters' (PEFT)
+    peft: Optional[dict] = None  # launcher.peft.LoraSettings.to_dict() when trains == 'adapters'
+    gradient_checkpointing: bool = False  # this candidate recomputes activations in backward
+    num_trainable_params: int = 0
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,11 @@ the dict into run.json's `framework_config`. A new backend (e.g. ColossalAI, whi
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
-from launcher.config import DDPConfig, DeepSpeedConfig, TrainingConfig
+from launcher.config import ColossalAIConfig, DDPConfig, DeepSpeedConfig, TrainingConfig
+from launcher.emit.colossalai import plugin_config
 from launcher.emit.ddp import ddp_settings
 from launcher.emit.deepspeed import deepspeed_config
 from launcher.types import Strategy
@@ -26,6 +27,8 @@ class EmitInput:
     micro_batch_size: int
     grad_accum_steps: int
     dp_size: int
+    colossalai: ColossalAIConfig = field(default_factory=ColossalAIConfig)
+    device: str = "cuda"
 
 
 @dataclass(frozen=True)
@@ -38,16 +41,20 @@ EMITTERS: dict[str, Emitter] = {
     "deepspeed": Emitter("ds_config.json", lambda x: deepspeed_config(
         x.strategy, x.training, x.deepspeed, x.micro_batch_size, x.grad_accum_steps, x.dp_size)),
     "ddp": Emitter("ddp_config.json", lambda x: ddp_settings(x.ddp)),
+    "colossalai": Emitter("colossalai_plugin.json", lambda x: plugin_config(
+        x.strategy, x.training, x.colossalai, x.ddp, x.device, x.grad_accum_steps)),
 }
 """Backend name (Strategy.backend) -> emitter."""
 
 
 def emit(strategy: Strategy, *, training: TrainingConfig, deepspeed: DeepSpeedConfig,
          ddp: DDPConfig, micro_batch_size: int, grad_accum_steps: int,
-         dp_size: int) -> tuple[str, dict]:
+         dp_size: int, colossalai: ColossalAIConfig | None = None,
+         device: str = "cuda") -> tuple[str, dict]:
     """(file name, config) for the strategy's backend."""
     if strategy.backend not in EMITTERS:
         raise ValueError(f"no emitter for backend {strategy.backend!r}; known: {sorted(EMITTERS)}")
     emitter = EMITTERS[strategy.backend]
     return emitter.file_name, emitter.build(EmitInput(
-        strategy, training, deepspeed, ddp, micro_batch_size, grad_accum_steps, dp_size))
+        strategy, training, deepspeed, ddp, micro_batch_size, grad_accum_steps, dp_size,
+        colossalai or ColossalAIConfig(), device))

@@ -27,9 +27,10 @@ Precision (DeepSpeed 0.19, deepspeed/runtime/precision_config.py and engine.py):
     in bf16, the engine leaves its dtype alone (`_configure_distributed_model` casts only when
     fp16/bf16 is enabled) and steps the client optimizer directly; `communication_data_type`
     keeps the all-reduce in bf16 (it defaults to fp32 when bf16 is disabled).
-- 16-true: ZeRO-0 as bf16-true with fp16 (no loss scaling, like Lightning's 16-true). ZeRO 1-3
-  need `fp16_master_weights_and_grads`, which DeepSpeed allows only with DeepSpeedCPUAdam
-  offload: unsupported here.
+- 16-true: unsupported. ZeRO 1-3 need `fp16_master_weights_and_grads`, which DeepSpeed allows
+  only with DeepSpeedCPUAdam offload; ZeRO-0 would train fp16 parameters with no loss scaling.
+- fp16 on CPU processes: DeepSpeed's CPU accelerator has fp16 only with oneDNN fp16 kernels, so
+  16-mixed is refused for a CPU cluster (`unsupported_reason` gives every rule).
 """
 from __future__ import annotations
 
@@ -58,16 +59,37 @@ def _precision_name(training: TrainingConfig) -> str:
     return getattr(precision, "value", precision)
 
 
-def unsupported_reason(strategy: Strategy, precision: str) -> Optional[str]:
-    """Why DeepSpeed cannot run this strategy at this precision with a torch optimizer, or None."""
+def unsupported_reason(strategy: Strategy, precision: str, device: Optional[str] = None) -> Optional[str]:
+    """Why DeepSpeed 0.19 cannot run this strategy at this precision with the worker's torch
+    optimizer on `device` ('cuda' | 'cpu'; None: not known), or None. The one rule the planner,
+    the memory model and the worker apply (module docstring). Checked by 2-rank gloo CPU runs with
+    a torch AdamW: bf16-true trains at ZeRO-0 (client AdamW on the bf16 parameters) and at ZeRO
+    1-3 (bf16 master weights and states); with optimizer offload the ZeRO optimizer asserts
+    "Master weights feature requires ... Offload with DeepSpeedCPUAdam" (stage_1_and_2.py
+    `_enforce_cpu_offload`, stage3.py `_enforce_optimizer_offload`, called from
+    base_optimizer.py `_configure_master_weights`)."""
     offload = strategy.offload_optimizer or strategy.offload_params
+    if precision == "16-true":
+        return (f"strategy={strategy.name} with precision=16-true: ZeRO 1-3 keep fp16 master "
+                "weights only under offload with DeepSpeedCPUAdam (base_optimizer.py "
+                "_configure_master_weights), and ZeRO-0 would train fp16 without loss scaling, "
+                "which the worker does not do; use precision=16-mixed or bf16-true")
     if precision == "bf16-true" and offload:
         return (f"strategy={strategy.name} with precision=bf16-true needs DeepSpeedCPUAdam "
                 "(DeepSpeed's bf16 master weights under offload); use precision=bf16-mixed")
-    if precision == "16-true" and strategy.zero_stage > 0:
-        return (f"strategy={strategy.name} with precision=16-true needs DeepSpeedCPUAdam "
-                "(DeepSpeed's fp16 master weights); use precision=16-mixed or strategy=zero0")
+    if precision == "16-mixed" and device == "cpu":
+        return ("precision=16-mixed with DeepSpeed on CPU: its CPU accelerator lists fp16 only "
+                "where oneDNN has fp16 kernels (deepspeed/accelerator/cpu_accelerator.py "
+                "supported_dtypes; engine.py raises 'Type fp16 is not supported on your device'); "
+                "use precision=bf16-mixed")
     return None
+
+
+def expected_half_sections(strategy: Strategy, precision: str) -> dict:
+    """{'bf16': enabled, 'fp16': enabled} as `precision_section` writes them: what a ds_config
+    for this run must say (the worker checks it)."""
+    section = precision_section(strategy, precision)
+    return {name: bool(section.get(name, {}).get("enabled", False)) for name in ("bf16", "fp16")}
 
 
 def precision_section(strategy: Strategy, precision: str) -> dict:
@@ -82,8 +104,8 @@ def precision_section(strategy: Strategy, precision: str) -> dict:
     if precision == "bf16-true" and strategy.zero_stage > 0:
         return {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
                          "bf16_optimizer_states": True}}
-    if precision in ("bf16-true", "16-true"):
-        return {"communication_data_type": "bf16" if precision == "bf16-true" else "fp16"}
+    if precision == "bf16-true":
+        return {"communication_data_type": "bf16"}
     if precision == "32-true":
         return {}
     raise ConfigError(f"unknown precision {precision!r}")

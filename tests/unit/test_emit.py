@@ -81,10 +81,10 @@ def test_ddp_golden():
 
 
 def test_registry_covers_every_backend_with_a_distinct_file():
-    assert set(EMITTERS) == {"deepspeed", "ddp"}
+    assert set(EMITTERS) == {"deepspeed", "ddp", "colossalai"}
     assert len({e.file_name for e in EMITTERS.values()}) == len(EMITTERS)
     with pytest.raises(ValueError, match="no emitter"):
-        emit(Strategy("cai_zero2", "colossalai"), training=TrainingConfig(), deepspeed=DeepSpeedConfig(),
+        emit(Strategy("other", "unknown-backend"), training=TrainingConfig(), deepspeed=DeepSpeedConfig(),
              ddp=DDPConfig(), micro_batch_size=1, grad_accum_steps=1, dp_size=1)
 
 
@@ -149,11 +149,13 @@ def test_bf16_true(parse_ds):
             deepspeed_config(strategy, training, DeepSpeedConfig(), 1, 1, 2)
 
 
-def test_16_true_only_with_zero0():
+def test_16_true_is_refused_at_every_stage():
+    """ZeRO 1-3 need DeepSpeedCPUAdam for fp16 master weights; ZeRO-0 would train fp16 without
+    loss scaling, which the worker does not do (launcher/worker/model.py PRECISIONS)."""
     training = TrainingConfig(precision=Precision["16-true"])
-    assert deepspeed_config(ZERO[0], training, DeepSpeedConfig(), 1, 1, 1)["communication_data_type"] == "fp16"
-    with pytest.raises(ConfigError, match="16-mixed"):
-        deepspeed_config(ZERO[2], training, DeepSpeedConfig(), 1, 1, 1)
+    for stage in (0, 2):
+        with pytest.raises(ConfigError, match="16-mixed"):
+            deepspeed_config(ZERO[stage], training, DeepSpeedConfig(), 1, 1, 1)
 
 
 def test_ddp_kwargs_accepted_by_torch(tmp_path):
