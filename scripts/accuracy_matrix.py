@@ -42,12 +42,15 @@ SMALL_BUCKETS = ["deepspeed.reduce_bucket_size=200000", "deepspeed.allgather_buc
 NO_SDPA = {"tiny-bloom", "small-bloom"}  # transformers' BLOOM has no sdpa attention
 
 
-def cell(model, size, strategy, precision, ckpt=False, attn="sdpa", buckets="small") -> dict:
+COLOSSALAI_ON_CPU = {"cai_ddp", "cai_zero1", "cai_zero2"}  # run under tests/colossalai_cpu_compat.py
+
+
+def cell(model, size, strategy, precision, ckpt=False, attn="sdpa", buckets="small", peft="none") -> dict:
     _, seq, micro = SIZES[size]
     attn = "eager" if model in NO_SDPA else attn
     return {"model": model, "size": size, "strategy": strategy, "precision": precision,
             "gradient_checkpointing": ckpt, "attn": attn, "buckets": buckets, "seq_len": seq,
-            "micro_batch_size": micro}
+            "micro_batch_size": micro, "peft": peft}
 
 
 def supported(c: dict) -> bool:
@@ -64,6 +67,9 @@ def full_cells(strategies: list[str]) -> list[dict]:
     variants = [s for s in ("ddp", "zero2", "zero3") if s in strategies]
     first = [cell("tiny-llama", "tiny", s, p) for p in PRECISIONS for s in strategies]
     first += [cell("tiny-llama", "tiny", s, "32-true", ckpt=True) for s in variants]
+    first += [cell(m, "tiny", s, "32-true", peft="lora") for m in ("tiny-llama",) for s in ("ddp", "zero2")]
+    first += [cell("small-llama", "small", "ddp", "32-true", peft="lora")]
+    first += [cell("tiny-llama", "tiny", s, "32-true") for s in sorted(COLOSSALAI_ON_CPU)]
     first += [cell(m, "small", s, "32-true") for m in SIZES["small"][0] for s in strategies]
     first += [cell("tiny-bloom", "tiny", s, "32-true") for s in strategies]
     first += [cell("tiny-bloom", "tiny", s, "32-true", ckpt=True) for s in variants]
@@ -86,8 +92,9 @@ def quick_cells(strategies: list[str]) -> list[dict]:
 
 
 def cell_id(c: dict) -> str:
+    peft = [] if c.get("peft", "none") == "none" else [c["peft"]]
     return "_".join([c["model"], c["strategy"], c["precision"], "ckpt" if c["gradient_checkpointing"] else "nockpt",
-                     c["attn"], f"{c['buckets']}buckets"])
+                     c["attn"], f"{c['buckets']}buckets", *peft])
 
 
 def overrides(c: dict, hardware: str) -> list[str]:
@@ -95,6 +102,7 @@ def overrides(c: dict, hardware: str) -> list[str]:
            f"training.seq_len={c['seq_len']}", f"training.micro_batch_size={c['micro_batch_size']}",
            f"training.precision={c['precision']}", f"training.attn_implementation={c['attn']}",
            f"training.gradient_checkpointing={str(c['gradient_checkpointing']).lower()}"]
+    out += [f"peft={c.get('peft', 'none')}"]
     return out + (SMALL_BUCKETS if c["buckets"] == "small" else [])
 
 
@@ -105,8 +113,11 @@ def run_cell(c: dict, hardware: str, out_dir: Path) -> dict:
     argv = [sys.executable, "-m", "launcher", *overrides(c, hardware), "mode=measure", "report=json",
             f"hydra.run.dir={run_dir}"]
     start = time.perf_counter()
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if c["strategy"] in COLOSSALAI_ON_CPU:  # ColossalAI's CPU accelerator needs the test compatibility layer
+        env.update(LAUNCHER_COLOSSALAI_TEST_PRELOAD="tests.colossalai_cpu_compat",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=env)
     wall_s = time.perf_counter() - start
     if proc.returncode != 0:
         return {**c, "id": cell_id(c), "error": proc.stderr.strip().splitlines()[-1:], "wall_s": wall_s}
@@ -190,7 +201,7 @@ def measured_step(r: dict) -> float:
 
 
 def group_key(r: dict) -> tuple:
-    return (r["model"], r["precision"], r["gradient_checkpointing"], r["attn"], r["buckets"])
+    return (r["model"], r["precision"], r["gradient_checkpointing"], r["attn"], r["buckets"], r.get("peft", "none"))
 
 
 def spread(r: dict) -> float:
@@ -263,6 +274,8 @@ def rows_of(results: list[dict]) -> list[dict]:
     for r in results:
         base = {k: r[k] for k in ("model", "size", "strategy", "precision", "gradient_checkpointing", "attn",
                                   "buckets", "seq_len", "micro_batch_size")}
+        if r.get("peft", "none") != "none":  # adapters on a frozen base: shown with the strategy
+            base["strategy"] = f"{r['strategy']}+{r['peft']}"
         if "error" in r:
             out.append({**base, "note": "failed: " + " ".join(r["error"])})
             continue
