@@ -117,7 +117,7 @@ def model_spec(config: LauncherConfig):
     """The model's numbers, checked against the workload (sequence length within its positions)."""
     from launcher.model import load_spec
 
-    spec = load_spec(config.model)
+    spec = load_spec(config.model, config.cache_dir)
     seq_max = spec.max_positions
     if seq_max is not None and config.training.seq_len > seq_max:
         raise ConfigError(f"training.seq_len={config.training.seq_len} is above {spec.name}'s maximum "

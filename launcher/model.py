@@ -2,8 +2,10 @@
 own config classes (so attribute names like n_layer / num_hidden_layers are normalised)."""
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import dataclass
+import os
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -49,9 +51,45 @@ def read_config_path(path: str) -> dict:
     return data
 
 
-def load_spec(mc: ModelConfig) -> ModelSpec:
-    """Validate that the config describes a decoder LLM transformers can build, and read its numbers."""
+SPEC_FORMAT = 1
+
+
+def load_spec(mc: ModelConfig, cache_dir: Optional[str] = None) -> ModelSpec:
+    """Validate that the config describes a decoder LLM transformers can build, and read its numbers.
+    A spec read before (same config.json values, same transformers version) comes from the cache,
+    so a plan whose traces are cached never imports transformers."""
     hf = read_config_path(mc.config_path) if mc.config_path else dict(mc.hf_config)
+    name = custom_name(mc.config_path) if mc.name == "custom" and mc.config_path else mc.name
+    path = _spec_cache_path(hf, cache_dir)
+    try:
+        data = json.loads(path.read_text())
+        return ModelSpec(**{**data, "name": name, "hf_config": hf,
+                            "attn_implementations": tuple(data["attn_implementations"])})
+    except (OSError, ValueError, TypeError, KeyError):
+        pass
+    spec = _read_spec(mc, hf, name)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({k: v for k, v in asdict(spec).items() if k not in ("name", "hf_config")}))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache only costs time
+    return spec
+
+
+def _spec_cache_path(hf: dict, cache_dir: Optional[str]) -> Path:
+    from importlib.metadata import version
+
+    from launcher.trace import DEFAULT_CACHE_DIR
+
+    blob = json.dumps([SPEC_FORMAT, version("transformers"), hf], sort_keys=True, default=str)
+    digest = hashlib.sha256(blob.encode()).hexdigest()[:24]
+    root = Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE_DIR.parent
+    return root / "specs" / f"{digest}.json"
+
+
+def _read_spec(mc: ModelConfig, hf: dict, name: str) -> ModelSpec:
     where = f"model.config_path={mc.config_path}" if mc.config_path else f"model={mc.name}"
     cfg = _auto_config(hf, where)
     _require_decoder(cfg, hf, where)
@@ -66,7 +104,7 @@ def load_spec(mc: ModelConfig) -> ModelSpec:
     heads = int(get("num_attention_heads"))
     max_pos = get("max_position_embeddings", "n_positions")
     return ModelSpec(
-        name=custom_name(mc.config_path) if mc.name == "custom" and mc.config_path else mc.name,
+        name=name,
         hf_config=hf,
         model_type=cfg.model_type,
         num_layers=int(get("num_hidden_layers")),

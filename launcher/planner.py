@@ -159,11 +159,12 @@ def launch_problem(strategy: Strategy) -> str:
     """Why a candidate that fits cannot be launched with the installed libraries, or ''. It stays in
     the plan as an estimate but is never chosen."""
     if strategy.backend == "colossalai" and (strategy.tp_size > 1 or strategy.pp_size > 1):
-        import transformers
+        from importlib.metadata import version
 
-        if int(transformers.__version__.split(".")[0]) >= 5:
+        installed = version("transformers")
+        if int(installed.split(".")[0]) >= 5:
             return (f"ColossalAI 0.5.0's shardformer policies target transformers 4.51 (its pinned version) and "
-                    f"fail with transformers {transformers.__version__}: estimate only")
+                    f"fail with transformers {installed}: estimate only")
     return ""
 
 

@@ -531,14 +531,14 @@ _PARAM_FIELDS = ("numel", "element_size", "trainable", "role", "layer", "tied_to
 
 
 def cache_key(key: TraceKey) -> str:
-    """Hash of the key and of what shapes the trace: torch and transformers versions."""
-    import torch
-    import transformers
+    """Hash of the key and of what shapes the trace: torch and transformers versions (read from
+    the installed distributions, so a cached plan never imports either)."""
+    from importlib.metadata import version
 
     fields = dataclasses.asdict(key)
     if fields.get("tp_size") == 1:  # keys without tensor parallelism hash as before tp_size existed
         del fields["tp_size"]
-    blob = json.dumps([fields, torch.__version__, transformers.__version__,
+    blob = json.dumps([fields, version("torch"), version("transformers"),
                        _FORMAT_VERSION], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
