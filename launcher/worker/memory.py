@@ -57,11 +57,10 @@ class _NullMeter:
         return None
 
 
-class _CpuMeter(_NullMeter):
-    def __init__(self) -> None:
-        from torch.distributed._tools.mem_tracker import MemTracker
+class _TrackerMeter(_NullMeter):
+    """A meter around an allocation tracker that is itself a context manager."""
 
-        self._tracker = MemTracker()
+    _tracker = None
 
     def __enter__(self):
         self._tracker.__enter__()
@@ -69,6 +68,13 @@ class _CpuMeter(_NullMeter):
 
     def __exit__(self, *exc) -> None:
         self._tracker.__exit__(*exc)
+
+
+class _CpuMeter(_TrackerMeter):
+    def __init__(self) -> None:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        self._tracker = MemTracker()
 
     def start(self, phase: str = "setup") -> tuple:
         tracker = self._tracker
@@ -97,7 +103,7 @@ class _CpuMeter(_NullMeter):
         self._tracker.track_external(*objects)
 
 
-class _StorageMeter(_NullMeter):
+class _StorageMeter(_TrackerMeter):
     """The lean tracker of launcher/worker/storage_tracker.py; breakdown = live bytes by the
     phase that allocated them."""
 
@@ -105,13 +111,6 @@ class _StorageMeter(_NullMeter):
         from launcher.worker.storage_tracker import StorageTracker
 
         self._tracker = StorageTracker()
-
-    def __enter__(self):
-        self._tracker.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._tracker.__exit__(*exc)
 
     def start(self, phase: str = "setup") -> tuple:
         self._tracker.phase = phase
