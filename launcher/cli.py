@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-from launcher.errors import ConfigError
+from launcher.errors import ConfigError, one_line
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = ("model", "hardware")
@@ -79,6 +79,8 @@ _OVERRIDE = re.compile(r"^(~|\+{1,2})?[A-Za-z_][\w.\-@/]*(=.*)?$")
 def check_override_syntax(argv: list[str]) -> None:
     """Every argument is a flag (-m, --multirun, ...) or a Hydra override `key=value`."""
     for a in argv:
+        if not a.isprintable():
+            raise ConfigError(f"{a!r} contains a control character (newline, NUL, ...); type the value as plain text")
         if a.startswith("-"):
             continue
         if not _OVERRIDE.match(a) or ("=" not in a and not a.startswith("~")):
@@ -148,6 +150,11 @@ def compose(argv: list[str]):
 
 
 def explain(err: BaseException) -> str | None:
+    msg = _explain(err)
+    return None if msg is None else one_line(msg)
+
+
+def _explain(err: BaseException) -> str | None:
     """One line for a Hydra/OmegaConf composition error, or None if it is not one."""
     from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
     from omegaconf.errors import OmegaConfBaseException
@@ -172,7 +179,7 @@ def explain(err: BaseException) -> str | None:
         return f"{key}: unknown key{hint}; valid keys here: {', '.join(keys)}"
     cause = err.__cause__
     if isinstance(err, ConfigCompositionException) and cause is not None:
-        inner = explain(cause)
+        inner = _explain(cause)
         if inner:
             return inner
     if isinstance(err, (ConfigCompositionException, OmegaConfBaseException)):

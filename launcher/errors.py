@@ -9,8 +9,13 @@ class ConfigError(Exception):
     exit_code = 2
 
     def __init__(self, *problems: str):
-        self.problems = tuple(p for p in problems if p)
+        self.problems = tuple(one_line(p) for p in problems if p)
         super().__init__("; ".join(self.problems))
+
+
+def one_line(text: str) -> str:
+    """A message on one line whatever the user typed: line breaks in echoed values are escaped."""
+    return text.replace("\r", "\\r").replace("\n", "\\n")
 
 
 def collect(problems: list[str]) -> None:

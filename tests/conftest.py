@@ -22,3 +22,12 @@ def cli(tmp_path):
         return run_cli(*args, f"cache_dir={tmp_path / 'cache'}", cwd=tmp_path, **kw)
     _run.cwd = tmp_path
     return _run
+
+
+# CI replays the same Hypothesis examples every run (a red build names a reproducible input);
+# developers' runs keep exploring new ones.
+from hypothesis import settings as _hypothesis_settings  # noqa: E402
+
+_hypothesis_settings.register_profile("ci", derandomize=True)
+if os.environ.get("CI"):
+    _hypothesis_settings.load_profile("ci")
