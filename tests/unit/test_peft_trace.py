@@ -16,6 +16,7 @@ from launcher import peft as lp  # noqa: E402
 from launcher import quant  # noqa: E402
 from launcher import trace as tr  # noqa: E402
 from launcher.steptrace import Kind  # noqa: E402
+from reference_step import train_one_step  # noqa: E402
 
 VOCAB = 320
 
@@ -52,15 +53,7 @@ def real_lora_step(k: tr.TraceKey):
         model = lp.apply_lora(model, k.lora_settings(), autocast_adapter_dtype=k.adapter_autocast)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, foreach=True) if k.optimizer != "none" else None
-        ids = torch.randint(0, VOCAB, (k.micro_batch_size, k.seq_len))
-        with torch.autocast("cpu", dtype=getattr(torch, k.autocast_dtype or "float32"),
-                            enabled=k.autocast_dtype is not None):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        del loss
-        if opt is not None:
-            opt.step()
-        (opt or model).zero_grad(set_to_none=True)
+        train_one_step(model, k, opt, VOCAB)
     return mt.peak_bytes, model
 
 

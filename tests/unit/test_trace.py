@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from launcher import trace as tr  # noqa: E402
 from launcher.steptrace import Kind, Role, extrapolate  # noqa: E402
+from reference_step import train_one_step  # noqa: E402
 
 VOCAB = 320
 
@@ -51,15 +52,7 @@ def real_step(k: tr.TraceKey):
                "adamw_fused": lambda: torch.optim.AdamW(params, fused=True),
                "sgd": lambda: torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=True),
                "none": lambda: None}[k.optimizer]()
-        ids = torch.randint(0, VOCAB, (k.micro_batch_size, k.seq_len))
-        with torch.autocast("cpu", dtype=getattr(torch, k.autocast_dtype or "float32"),
-                            enabled=k.autocast_dtype is not None):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        del loss
-        if opt is not None:
-            opt.step()
-        (opt or model).zero_grad(set_to_none=True)
+        train_one_step(model, k, opt, VOCAB)
     return mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"], model
 
 

@@ -1,0 +1,17 @@
+"""One real training step on real CPU tensors, shaped like a TraceKey: the reference the traced
+estimates are compared with (tests/unit/test_trace.py, tests/unit/test_peft_trace.py)."""
+import torch
+
+
+def train_one_step(model, key, opt, vocab_size: int) -> None:
+    """Forward with the model's own loss (under autocast when the key asks), backward, the
+    optimizer step if any, zero_grad(set_to_none=True)."""
+    ids = torch.randint(0, vocab_size, (key.micro_batch_size, key.seq_len))
+    with torch.autocast("cpu", dtype=getattr(torch, key.autocast_dtype or "float32"),
+                        enabled=key.autocast_dtype is not None):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    del loss
+    if opt is not None:
+        opt.step()
+    (opt or model).zero_grad(set_to_none=True)
