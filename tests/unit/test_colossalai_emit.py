@@ -58,3 +58,16 @@ def test_invalid_tp_size_is_one_line_error(cli):
             "training.seq_len=64", "colossalai.tp_size=3")
     assert r.returncode == 2
     assert "colossalai.tp_size=3" in r.stderr and "valid: [2]" in r.stderr
+
+
+@pytest.mark.parametrize("name", ["cai_zero2", "cai_gemini", "cai_tp"])
+def test_emitted_plugin_config_matches_golden(name):
+    """Reviewed against each plugin's documented defaults (colossalai/booster/plugin/*.py):
+    LowLevelZero reduce_bucket_size_in_m=12, Gemini search_range_m=32 / min_chunk_size_m=32 /
+    static placement fully sharded, HybridParallel ddp_bucket_cap_mb=25, vocabulary padded to 64."""
+    import json
+    from pathlib import Path
+
+    golden = Path(__file__).resolve().parent.parent / "golden" / f"{name}_bf16.json"
+    _, config = _emit(name)
+    assert config == json.loads(golden.read_text())
