@@ -61,10 +61,6 @@ def plan_to_dict(plan: Plan, capacity_bytes: int) -> dict:
     }
 
 
-def gib(n: float) -> str:
-    return f"{n / 2**30:.2f}"
-
-
 def strategy_label(c: Candidate) -> str:
     """Strategy name with its model-parallel sizes (cai_tp tp=2, cai_pp pp=4)."""
     sizes = [f"{k}={v}" for k, v in (("tp", c.strategy.tp_size), ("pp", c.strategy.pp_size)) if v > 1]
