@@ -199,7 +199,7 @@ def main(cfg: DictConfig) -> None:
         result = measure.measure(job, plan, config)
         print(json.dumps(result, indent=2) if quiet else "\n" + measure.format_result(result))
         return
-    if mode in ("run", "measure"):
+    if mode == "run":
         from launcher import fallback
 
         rc, final_dir = fallback.run_with_fallback(plan, config, spec, job, quiet=quiet)
