@@ -87,7 +87,8 @@ def prepare(plan: Plan, config: LauncherConfig, spec: ModelSpec, run_dir: Path) 
     dp = config.gpus // (c.strategy.tp_size * c.strategy.pp_size)
     filename, framework = emit(c.strategy, training=config.training, deepspeed=config.deepspeed, ddp=config.ddp,
                                micro_batch_size=c.micro_batch_size, grad_accum_steps=c.grad_accum_steps, dp_size=dp,
-                               colossalai=config.colossalai, device=config.hardware.device)
+                               colossalai=config.colossalai, device=config.hardware.device,
+                               vocab_size=spec.vocab_size)
     (run_dir / filename).write_text(json.dumps(framework, indent=2, sort_keys=True) + "\n")
     run_json = run_dir / "run.json"
     run_spec(c, config, spec, run_dir, framework).save(run_json)

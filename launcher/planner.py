@@ -155,16 +155,29 @@ def unsupported(strategy: Strategy, config: LauncherConfig, cluster: Cluster, sp
 COLOSSALAI_CPU_COMPAT_ENV = "LAUNCHER_COLOSSALAI_TEST_PRELOAD"  # launcher/worker/colossalai_backend.py
 
 
-def launch_problem(strategy: Strategy) -> str:
+def launch_problem(strategy: Strategy, spec: ModelSpec) -> str:
     """Why a candidate that fits cannot be launched with the installed libraries, or ''. It stays in
-    the plan as an estimate but is never chosen."""
-    if strategy.backend == "colossalai" and (strategy.tp_size > 1 or strategy.pp_size > 1):
-        from importlib.metadata import version
+    the plan as an estimate but is never chosen. ColossalAI 0.5.0's shardformer forwards target
+    transformers 4.51; on transformers 5 the worker supplies tensor-parallel forwards for Llama
+    only (launcher/worker/colossalai_transformers.py). A vocabulary that tp does not divide is
+    padded, and ColossalAI 0.5.0 cannot checkpoint a padded layer's optimizer state
+    (launcher/emit/colossalai.py `vocab_multiple`)."""
+    if strategy.backend != "colossalai" or (strategy.tp_size == 1 and strategy.pp_size == 1):
+        return ""
+    if spec.vocab_size % strategy.tp_size:
+        return (f"tp_size={strategy.tp_size} does not divide the vocabulary ({spec.vocab_size}): ColossalAI pads it and "
+                "cannot checkpoint the padded layers' optimizer state: estimate only")
+    from importlib.metadata import version
 
-        installed = version("transformers")
-        if int(installed.split(".")[0]) >= 5:
-            return (f"ColossalAI 0.5.0's shardformer policies target transformers 4.51 (its pinned version) and "
-                    f"fail with transformers {installed}: estimate only")
+    installed = version("transformers")
+    if int(installed.split(".")[0]) < 5:
+        return ""
+    if strategy.pp_size > 1:
+        return (f"ColossalAI 0.5.0's pipeline forwards target transformers 4.51 (its pinned version) and "
+                f"fail with transformers {installed}: estimate only")
+    if spec.model_type != "llama":
+        return (f"ColossalAI 0.5.0's {spec.model_type} tensor-parallel forwards target transformers 4.51 and fail "
+                f"with transformers {installed} (Llama runs): estimate only")
     return ""
 
 
@@ -321,8 +334,8 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster) -> Plan:
     asked = variants[0].trains
     ranked = sorted(candidates, key=lambda c: (not c.fits, c.trains != asked, -c.speed.tokens_per_s,
                                                c.memory.device_total_bytes))
-    chosen = next((i for i, c in enumerate(ranked) if c.fits and not launch_problem(c.strategy)), None)
-    ranked = [explain_loss(c, ranked[chosen] if chosen is not None else None) if i != chosen else c
+    chosen = next((i for i, c in enumerate(ranked) if c.fits and not launch_problem(c.strategy, spec)), None)
+    ranked = [explain_loss(c, ranked[chosen] if chosen is not None else None, spec) if i != chosen else c
               for i, c in enumerate(ranked)]
     notes += plan_notes(config, cluster, chosen)
     from launcher.model import effective_attention
@@ -341,11 +354,11 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster) -> Plan:
                 candidates=tuple(ranked), chosen=chosen, notes=tuple(notes))
 
 
-def explain_loss(c: Candidate, best: Candidate | None) -> Candidate:
+def explain_loss(c: Candidate, best: Candidate | None, spec: ModelSpec) -> Candidate:
     """Say why a fitting candidate lost against the chosen one."""
     if not c.fits:
         return c
-    why = launch_problem(c.strategy)
+    why = launch_problem(c.strategy, spec)
     if why:
         return replace(c, reason=f"fits; not launchable: {why}")
     if best is None:

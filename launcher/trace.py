@@ -210,15 +210,15 @@ def build_config(key: TraceKey):
 
 
 TP_SHARDABLE = ("llama", "mistral", "qwen2")  # configs whose TP shard is a smaller config of the same kind
-VOCAB_MULTIPLE = 64  # HybridParallelPlugin make_vocab_size_divisible_by (default 64)
-
-
-def tp_padded_vocab(vocab_size: int, tp_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
+def tp_padded_vocab(vocab_size: int, tp_size: int) -> int:
     """The vocabulary ColossalAI's vocab-parallel embedding and LM head pad to: a multiple of
     `make_vocab_size_divisible_by x tp_size` (colossalai/shardformer/layer/parallel_module.py
     `PaddingParallelModule`; embedding.py `VocabParallelEmbedding1D` and linear.py
-    `VocabParallelLMHead1D`: `multiple = make_vocab_size_divisible_by * tp_size`)."""
-    unit = multiple * tp_size
+    `VocabParallelLMHead1D`: `multiple = make_vocab_size_divisible_by * tp_size`), with the
+    multiple the emitter writes (launcher/emit/colossalai.py `vocab_multiple`)."""
+    from launcher.emit.colossalai import vocab_multiple
+
+    unit = vocab_multiple(vocab_size, tp_size) * tp_size
     return -(-vocab_size // unit) * unit
 
 
@@ -258,6 +258,18 @@ def _make_optimizer(key: TraceKey, params):
                              fused=key.optimizer == "adamw_fused" or None)
 
 
+def _loss(model, ids, key: TraceKey):
+    """The model's own causal-LM loss; a tensor-parallel shard computes ColossalAI's
+    vocabulary-parallel loss on its logits slice (launcher/vocab_parallel_loss.py), with the
+    logits held meanwhile, as ColossalAI's causal-LM forward holds them."""
+    if key.tp_size > 1:
+        from launcher.vocab_parallel_loss import vocab_parallel_loss
+
+        logits = model(input_ids=ids).logits
+        return vocab_parallel_loss(logits, ids)
+    return model(input_ids=ids, labels=ids).loss
+
+
 def _run_step(key: TraceKey, rec: _Recorder, marks: dict, grads: dict):
     """Build the model and run one step; fills `marks` (phase -> first event) and
     `grads` (id(param) -> (ready event, grad row)). Returns (model, optimizer)."""
@@ -285,7 +297,7 @@ def _run_step(key: TraceKey, rec: _Recorder, marks: dict, grads: dict):
     marks["forward"], flops0 = rec.num_events, rec.flops
     with torch.autocast("cpu", dtype=getattr(torch, key.autocast_dtype or "float32"),
                         enabled=key.autocast_dtype is not None):
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = _loss(model, ids, key)
     marks["backward"], flops1 = rec.num_events, rec.flops
     loss.backward()
     del loss
@@ -538,6 +550,8 @@ def cache_key(key: TraceKey) -> str:
     fields = dataclasses.asdict(key)
     if fields.get("tp_size") == 1:  # keys without tensor parallelism hash as before tp_size existed
         del fields["tp_size"]
+    else:  # the shard layout (vocabulary padding multiple, `tp_padded_vocab`) is part of the trace
+        fields["tp_layout"] = 4
     blob = json.dumps([fields, version("torch"), version("transformers"),
                        _FORMAT_VERSION], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]

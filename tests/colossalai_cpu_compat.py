@@ -119,19 +119,6 @@ def apply() -> list[str]:
             setattr(CpuAccelerator, name, fn)
             replaced.append(name)
     LowLevelZeroOptimizer._sanity_checks = _dtype_checks_only
-    _transformers_names()
     return replaced
-
-
-def _transformers_names() -> None:
-    """colossalai/shardformer/modeling/llama.py imports `StaticCache` from
-    transformers.models.llama.modeling_llama (transformers 4.51); transformers 5 only has it in
-    transformers.cache_utils. Re-export it there so the Llama shard policy imports."""
-    from transformers import cache_utils
-    from transformers.models.llama import modeling_llama
-
-    if not hasattr(modeling_llama, "StaticCache"):
-        modeling_llama.StaticCache = cache_utils.StaticCache
-
 
 apply()

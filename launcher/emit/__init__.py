@@ -29,6 +29,7 @@ class EmitInput:
     dp_size: int
     colossalai: ColossalAIConfig = field(default_factory=ColossalAIConfig)
     device: str = "cuda"
+    vocab_size: int = 0  # the model's vocabulary (ColossalAI TP picks its padding multiple from it)
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ EMITTERS: dict[str, Emitter] = {
         x.strategy, x.training, x.deepspeed, x.micro_batch_size, x.grad_accum_steps, x.dp_size)),
     "ddp": Emitter("ddp_config.json", lambda x: ddp_settings(x.ddp)),
     "colossalai": Emitter("colossalai_plugin.json", lambda x: plugin_config(
-        x.strategy, x.training, x.colossalai, x.ddp, x.device, x.grad_accum_steps)),
+        x.strategy, x.training, x.colossalai, x.ddp, x.device, x.grad_accum_steps, x.vocab_size)),
 }
 """Backend name (Strategy.backend) -> emitter."""
 
@@ -50,11 +51,11 @@ EMITTERS: dict[str, Emitter] = {
 def emit(strategy: Strategy, *, training: TrainingConfig, deepspeed: DeepSpeedConfig,
          ddp: DDPConfig, micro_batch_size: int, grad_accum_steps: int,
          dp_size: int, colossalai: ColossalAIConfig | None = None,
-         device: str = "cuda") -> tuple[str, dict]:
+         device: str = "cuda", vocab_size: int = 0) -> tuple[str, dict]:
     """(file name, config) for the strategy's backend."""
     if strategy.backend not in EMITTERS:
         raise ValueError(f"no emitter for backend {strategy.backend!r}; known: {sorted(EMITTERS)}")
     emitter = EMITTERS[strategy.backend]
     return emitter.file_name, emitter.build(EmitInput(
         strategy, training, deepspeed, ddp, micro_batch_size, grad_accum_steps, dp_size,
-        colossalai or ColossalAIConfig(), device))
+        colossalai or ColossalAIConfig(), device, vocab_size))

@@ -34,6 +34,23 @@ PLUGIN_OF = {"cai_ddp": "TorchDDPPlugin", "cai_zero1": "LowLevelZeroPlugin",
              "cai_tp": "HybridParallelPlugin", "cai_pp": "HybridParallelPlugin"}
 
 
+def vocab_multiple(vocab_size: int, tp_size: int) -> int:
+    """`make_vocab_size_divisible_by` for HybridParallelPlugin: the largest power of two up to the
+    plugin's default 64 that divides each rank's vocabulary shard, so the vocab-parallel embedding
+    and LM head are not padded (colossalai/shardformer/layer/embedding.py `VocabParallelEmbedding1D`
+    and linear.py `VocabParallelLMHead1D` pad to a multiple of `make_vocab_size_divisible_by x
+    tp_size`). ColossalAI 0.5.0 cannot save the sharded optimizer state of a padded layer
+    (checkpoint_io/utils.py `search_tp_partition_dim` asserts original == tp x shard rows), and an
+    unpadded shard also holds no dead rows. A vocabulary that tp does not divide must be padded:
+    the default 64 is kept (`launcher.planner.launch_problem` says the run cannot checkpoint)."""
+    if vocab_size <= 0 or vocab_size % tp_size:
+        return VOCAB_MULTIPLE
+    shard, multiple = vocab_size // tp_size, 1
+    while multiple < VOCAB_MULTIPLE and shard % (2 * multiple) == 0:
+        multiple *= 2
+    return multiple
+
+
 def plugin_precision(strategy: Strategy, precision: str) -> str:
     """The plugin's `precision` argument, or ConfigError naming what is supported."""
     supported = dict(PLUGIN_PRECISION)
@@ -54,7 +71,7 @@ def num_microbatches(cai: ColossalAIConfig, pp_size: int) -> int:
 
 
 def plugin_config(strategy: Strategy, training: TrainingConfig, cai: ColossalAIConfig, ddp: DDPConfig,
-                  device: str, grad_accum_steps: int = 1) -> dict:
+                  device: str, grad_accum_steps: int = 1, vocab_size: int = 0) -> dict:
     """colossalai_plugin.json of one strategy."""
     precision = getattr(training.precision, "value", training.precision)
     name = PLUGIN_OF[strategy.name]
@@ -80,7 +97,7 @@ def plugin_config(strategy: Strategy, training: TrainingConfig, cai: ColossalAIC
         return {"plugin": name, "kwargs": kwargs}
     kwargs = {**common, "tp_size": strategy.tp_size, "pp_size": strategy.pp_size,
               "zero_stage": strategy.zero_stage, "parallel_output": PARALLEL_OUTPUT,
-              "make_vocab_size_divisible_by": VOCAB_MULTIPLE, "ddp_bucket_cap_mb": int(ddp.bucket_cap_mb),
+              "make_vocab_size_divisible_by": vocab_multiple(vocab_size, strategy.tp_size), "ddp_bucket_cap_mb": int(ddp.bucket_cap_mb),
               "gradient_as_bucket_view": ddp.gradient_as_bucket_view, "broadcast_buffers": False,
               "zero_bucket_size_in_m": cai.reduce_bucket_size_in_m,
               "overlap_communication": overlap(cai, device), "overlap_p2p": device != "cpu"}

@@ -118,12 +118,20 @@ def lowlevel_zero_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
     return layout
 
 
+def hybrid_uses_torch_ddp(dp: int, pp_size: int, zero_stage: int) -> bool:
+    """HybridParallelPlugin wraps the shard in torch DDP (hybrid_parallel_plugin.py
+    `HybridParallelPlugin.configure`: `use_ddp = (dp_size > 1 and pp_size == 1 and zero_stage == 0)
+    or (dp_size == 1 and pp_size == 1)`), so a pure tensor-parallel run (dp 1) has DDP buckets too:
+    the reducer rebuilds them in the first forward after the first backward."""
+    return pp_size == 1 and (dp == 1 or zero_stage == 0)
+
+
 def hybrid_stage0_layout(trace: StepTrace, z: ZeroSetup, ddp_bucket_bytes: list[int]) -> Layout:
     """HybridParallelPlugin zero_stage 0 on the traced shard (hybrid_parallel_plugin.py): fp32 ->
     `HybridParallelNaiveOptimizer` stepping the torch optimizer on the shard's own parameters;
     16-bit -> `HybridParallelAMPOptimizer` (amp/naive_amp/mixed_precision_optimizer.py: an fp32
-    master copy per parameter, gradients cast to fp32 in `step`). DP > 1 wraps the shard in torch
-    DDP: its gradient buckets (`ddp_bucket_bytes`, ddp.py; plugin default gradient_as_bucket_view
+    master copy per parameter, gradients cast to fp32 in `step`). Where the plugin wraps the shard in
+    torch DDP (`hybrid_uses_torch_ddp`) its gradient buckets (`ddp_bucket_bytes`, ddp.py; plugin default gradient_as_bucket_view
     as emitted) are added as a second copy of the gradients."""
     layout = Layout.of(trace, reduce_events=0, step_events=2)
     idx = trainable_params(trace)
@@ -218,7 +226,8 @@ def colossalai_memory(traces, strategy, workload, ddp, cai, dp: int, device: str
     if strategy.zero_stage in (1, 2) and (strategy.name != "cai_tp" or dp > 1):
         layouts = [lowlevel_zero_layout(t, z) for t in pair]
     else:
-        layouts = [hybrid_stage0_layout(t, z, bucket_bytes(t, ddp.bucket_cap_mb) if dp > 1 else [])
+        wraps_ddp = hybrid_uses_torch_ddp(dp, strategy.pp_size, strategy.zero_stage)
+        layouts = [hybrid_stage0_layout(t, z, bucket_bytes(t, ddp.bucket_cap_mb) if wraps_ddp else [])
                    for t in pair]
     extra: dict = {}
     if strategy.tp_size > 1:

@@ -62,12 +62,16 @@ def plugin_class(name: str):
 
 def launch(seed: int) -> None:
     """Join the process group through ColossalAI (it picks gloo on its CPU accelerator, nccl on
-    CUDA: colossalai/initialize.py `launch`), after the optional test preload."""
+    CUDA: colossalai/initialize.py `launch`), after the optional test preload and the
+    transformers-5 shardformer forwards (launcher/worker/colossalai_transformers.py)."""
     module = os.environ.get(TEST_PRELOAD_ENV)
     if module:
         importlib.import_module(module)
     import colossalai
 
+    from launcher.worker import colossalai_transformers
+
+    colossalai_transformers.apply()
     colossalai.launch_from_torch(seed=seed, verbose=False)
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from launcher.memory import gemini
 from launcher.memory.colossalai import buckets, padded
+from launcher.emit.colossalai import vocab_multiple
 from launcher.trace import TraceKey, build_config, tp_padded_vocab
 
 MEGA = 1024**2
@@ -67,9 +68,18 @@ def test_lowlevel_zero_padding_and_buckets():
     assert buckets(order, 12, 4) == [(1, [8]), (3, [8, 4])]
 
 
-@pytest.mark.parametrize("vocab,tp,expected", [(320, 2, 384), (32000, 4, 32000), (250880, 4, 250880),
+@pytest.mark.parametrize("vocab,tp,multiple", [(320, 2, 32), (32000, 4, 64), (32000, 8, 32), (128256, 8, 32),
+                                               (50258, 2, 1), (50257, 2, 64)])
+def test_vocab_multiple_avoids_padding_where_tp_divides_the_vocabulary(vocab, tp, multiple):
+    # 320 / 2 = 160 = 2^5 * 5; 32000 / 8 = 4000 = 2^5 * 125; 128256 / 8 = 16032 = 2^5 * 501;
+    # 50258 / 2 = 25129 is odd; 50257 is odd, so tp=2 forces padding and the default 64 stays
+    assert vocab_multiple(vocab, tp) == multiple
+
+
+@pytest.mark.parametrize("vocab,tp,expected", [(320, 2, 320), (32000, 4, 32000), (250880, 4, 250880),
                                                (50257, 2, 50304)])
-def test_vocab_padding_multiple_of_64_tp(vocab, tp, expected):
+def test_vocab_padding(vocab, tp, expected):
+    # only a vocabulary that tp does not divide is padded: 50257 -> next multiple of 64 x 2 = 50304
     assert tp_padded_vocab(vocab, tp) == expected
 
 
@@ -83,11 +93,11 @@ def test_tp_shard_config_of_tiny_llama():
     shard = build_config(TraceKey(json.dumps(hf), 2, 1, 8, tp_size=2))
     assert (shard.num_attention_heads, shard.num_key_value_heads) == (2, 1)
     assert shard.head_dim == full.hidden_size // full.num_attention_heads == 16
-    assert shard.intermediate_size == 88 and shard.vocab_size == 384 // 2
+    assert shard.intermediate_size == 88 and shard.vocab_size == 320 // 2
     # parameters of one rank, by hand: q,o 64x32; k,v 64x16; gate,up,down 64x88; 2 norms of 64;
-    # embedding and LM head 192x64; final norm 64
+    # embedding and LM head 160x64; final norm 64
     per_layer = 2 * 64 * 32 + 2 * 64 * 16 + 3 * 64 * 88 + 2 * 64
-    assert _num_params(shard) == 2 * per_layer + 2 * 192 * 64 + 64
+    assert _num_params(shard) == 2 * per_layer + 2 * 160 * 64 + 64
 
 
 def _num_params(cfg) -> int:
