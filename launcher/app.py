@@ -174,7 +174,9 @@ def main(cfg: DictConfig) -> None:
     else:
         report.print_plan(plan, cluster.memory_bytes)
     if plan.chosen is None:
-        print("No candidate fits; see the plan for what would.", file=sys.stderr)
+        fits = any(c.fits for c in plan.candidates)
+        print("No candidate that fits can be launched here; see each verdict." if fits else
+              "No candidate fits; see the plan for what would.", file=sys.stderr)
         if mode in ("run", "measure"):
             sys.exit(1)
         return

@@ -337,7 +337,7 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster) -> Plan:
     chosen = next((i for i, c in enumerate(ranked) if c.fits and not launch_problem(c.strategy, spec)), None)
     ranked = [explain_loss(c, ranked[chosen] if chosen is not None else None, spec) if i != chosen else c
               for i, c in enumerate(ranked)]
-    notes += plan_notes(config, cluster, chosen)
+    notes += plan_notes(config, cluster, chosen, any(c.fits for c in ranked))
     from launcher.model import effective_attention
 
     attn_note = effective_attention(spec, config.training.attn_implementation.name)[1]
@@ -370,12 +370,15 @@ def explain_loss(c: Candidate, best: Candidate | None, spec: ModelSpec) -> Candi
     return replace(c, reason=f"fits; lost on speed: {ratio:.3f}x slower than the chosen")
 
 
-def plan_notes(config: LauncherConfig, cluster: Cluster, chosen: int | None) -> list[str]:
+def plan_notes(config: LauncherConfig, cluster: Cluster, chosen: int | None, any_fits: bool) -> list[str]:
     notes = []
     if config.training.global_batch_size is None:
         notes.append("training.global_batch_size not set: each candidate uses micro_batch_size x data-parallel "
                      "size with no gradient accumulation, so candidates train with different global batches")
-    if chosen is None:
+    if chosen is None and any_fits:
+        notes.append("every candidate that fits is not launchable here (see its verdict); choose another "
+                     "strategy (strategy=auto) or install what the verdict names")
+    elif chosen is None:
         notes.append("nothing fits; what would: " + "; ".join(suggestions(config, cluster)))
     return notes
 
