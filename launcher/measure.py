@@ -64,10 +64,12 @@ def median_step_s(metrics_path: Path, warmup_steps: int) -> tuple[float, list[fl
 
 
 def memory_rows(summary: dict, estimate: dict) -> list[dict]:
-    """Per rank: measured vs estimated peak allocated (and reserved / NVML on CUDA)."""
+    """Per rank: measured vs estimated peak allocated (and reserved / NVML on CUDA); the rank's own
+    estimate when `estimate["per_rank_peak_allocated_bytes"]` has one (ZeRO 1-2), else the headline."""
     rows = []
-    est_alloc = estimate.get("peak_allocated_bytes")
+    per_rank = estimate.get("per_rank_peak_allocated_bytes") or []
     for rank, meas in enumerate(summary["measured_peak_allocated_bytes"]):
+        est_alloc = per_rank[rank] if rank < len(per_rank) else estimate.get("peak_allocated_bytes")
         breakdown = (summary.get("measured_peak_breakdown") or [None] * (rank + 1))[rank] or {}
         row = {"rank": rank, "measured_peak_bytes": meas, "estimated_peak_bytes": est_alloc,
                "error_percent": error_percent(est_alloc, meas),
@@ -92,7 +94,8 @@ def measure(job, plan, config: LauncherConfig) -> dict:
     m = config.measure
     mem_dir = run_pass(job, config, "memory", steps=max(2, m.memory_steps), measure_memory=True)
     summary = json.loads((mem_dir / "summary.json").read_text())
-    estimate = RunSpec.load(job.run_dir / "run.json").estimate
+    estimate = dict(RunSpec.load(job.run_dir / "run.json").estimate,
+                    per_rank_peak_allocated_bytes=list(c.memory.per_rank_peak_allocated_bytes))
     result = {
         "strategy": c.strategy.name, "micro_batch_size": c.micro_batch_size,
         "grad_accum_steps": c.grad_accum_steps, "world_size": job.world_size,

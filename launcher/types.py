@@ -69,6 +69,14 @@ class MemoryEstimate:
     breakdown: dict  # parameters, gradients, optimizer_states, activations, buffers, runtime -> bytes at the peak
     peak_phase: str  # forward | backward | optimizer
     notes: tuple = ()  # assumptions stated for this estimate
+    # every data-parallel rank's peak allocated (the headline is their maximum) when ranks differ
+    # (ZeRO 1-2: each rank's gradient partition); empty: every rank = peak_allocated_bytes
+    per_rank_peak_allocated_bytes: tuple = ()
+
+    def rank_peak_allocated_bytes(self, rank: int) -> int:
+        """Peak allocated bytes of data-parallel `rank`."""
+        per_rank = self.per_rank_peak_allocated_bytes
+        return per_rank[rank] if rank < len(per_rank) else self.peak_allocated_bytes
 
 
 @dataclass(frozen=True)

@@ -20,15 +20,22 @@ allocation sequence (twice, for the steady state) through a simulator of the cac
 buffers to the device total (runtime.py). cpu (gloo processes): peak live tensor bytes, no rounding,
 no runtime terms, and the offloaded host storages counted too (they are the same memory).
 
-Assumptions (also listed in each `MemoryEstimate.notes`): all ranks of a data-parallel group hold
-the same bytes except for partition padding (the worst rank is taken); one parameter group; the
+Ranks. All ranks of a data-parallel group hold the same bytes except under ZeRO 1-2, where each
+rank's gradient partition holds the whole of the parameters its partition overlaps and is
+allocated at the first reduction of one of them (deepspeed.py `gradient_partitions`): each
+rank is estimated (`MemoryEstimate.per_rank_peak_allocated_bytes`), the worst is the headline.
+
+Assumptions (also listed in each `MemoryEstimate.notes`): one parameter group; the
 worker's torch optimizer (`adamw_torch` = foreach AdamW); DeepSpeed `grad_accum_dtype` and
-`communication_data_type` unset; ZeRO-3 gathered parameters (which depend on the full depth) are
-added at full depth to the forward and backward peaks, as alive at the end of forward. Not
+`communication_data_type` unset; ZeRO-3 gathered parameters live from their module's forward to
+their own backward when the reuse distance keeps them all (zero3.py `gathered_param_terms`),
+else they are added at full depth to the forward and backward peaks. Not
 modelled: the model-construction phase (its peak is below the step's), gradient-clipping norm
 scalars, the loss scaler's small tensors, process-group internal scratch, side-stream late frees.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 from launcher.config import ColossalAIConfig, DDPConfig, DeepSpeedConfig
 from launcher.errors import ConfigError
@@ -39,7 +46,7 @@ from . import runtime
 from .common import (DTYPE_BYTES, PHASES, extrapolate_layouts, extrapolate_peaks, host_bytes,
                      phase_peaks)
 from .ddp import DDP_NOTES, ddp_layout
-from .deepspeed import ZeroSetup, zero0_layout, zero12_layout
+from .deepspeed import ZeroSetup, gradient_partitions, zero0_layout, zero12_layout
 from .replay import peak_reserved_bytes
 from .zero3 import full_depth_numels, gathered_param_bytes, zero3_layout
 
@@ -87,22 +94,41 @@ def trace_request(strategy: Strategy, workload: Workload) -> dict:
     raise ConfigError(f"strategy={strategy.name}: backend {strategy.backend!r} has no memory model")
 
 
+def _zero_setup(traces: TraceSet, strategy: Strategy, workload: Workload, ds, dp: int) -> ZeroSetup:
+    return ZeroSetup(stage=strategy.zero_stage, offload_optimizer=strategy.offload_optimizer,
+                     offload_params=strategy.offload_params,
+                     model_bytes=DTYPE_BYTES[DEEPSPEED_PRECISION[workload.precision]],
+                     master_bytes=2 if workload.precision == "bf16-true" else 4,
+                     optimizer=workload.optimizer, ds=ds, dp=dp, num_layers=traces.num_layers)
+
+
 def _layouts(traces: TraceSet, strategy: Strategy, workload: Workload, ds, ddp, dp: int):
+    depths = (traces.depth1, traces.depth2)
     if strategy.backend == "ddp":
-        return ([ddp_layout(t, ddp, dp, workload.optimizer) for t in (traces.depth1, traces.depth2)],
-                DDP_NOTES, None)
+        return [ddp_layout(t, ddp, dp, workload.optimizer) for t in depths], DDP_NOTES, None
     trace_request(strategy, workload)  # raises if unsupported
-    z = ZeroSetup(stage=strategy.zero_stage, offload_optimizer=strategy.offload_optimizer,
-                  offload_params=strategy.offload_params,
-                  model_bytes=DTYPE_BYTES[DEEPSPEED_PRECISION[workload.precision]],
-                  master_bytes=2 if workload.precision == "bf16-true" else 4,
-                  optimizer=workload.optimizer, ds=ds, dp=dp, num_layers=traces.num_layers)
+    z = _zero_setup(traces, strategy, workload, ds, dp)
     build = {0: zero0_layout, 1: zero12_layout, 2: zero12_layout, 3: zero3_layout}[z.stage]
-    layouts = [build(t, z) for t in (traces.depth1, traces.depth2)]
+    layouts = [build(t, z) for t in depths]
     gathered = None
-    if z.stage == 3:
+    if z.stage == 3:  # all kept: on the per-depth curve (zero3.py gathered_param_terms)
         gathered = gathered_param_bytes(full_depth_numels(traces.depth1, traces.num_layers), z)
+        gathered = (0, True) if gathered[1] else gathered
     return layouts, deepspeed_notes(z, gathered), gathered
+
+
+def _rank_layouts(traces: TraceSet, strategy: Strategy, workload: Workload, ds, dp: int) -> list:
+    """[(ranks, [layout at depth 1, layout at depth 2])], one per set of ranks with the same
+    gradient partition (deepspeed.py `gradient_partitions`), for ZeRO 1-2 without offload over
+    more than one rank; [] for the others (every rank holds the same bytes)."""
+    if strategy.backend != "deepspeed" or strategy.zero_stage not in (1, 2) or strategy.offload_optimizer or dp < 2:
+        return []
+    z = _zero_setup(traces, strategy, workload, ds, dp)
+    depths = (traces.depth1, traces.depth2)
+    groups: dict = {}
+    for rank, key in enumerate(zip(*(gradient_partitions(t, z) for t in depths))):
+        groups.setdefault(key, []).append(rank)
+    return [(tuple(ranks), [zero12_layout(t, z, ranks[0]) for t in depths]) for ranks in groups.values()]
 
 
 def deepspeed_notes(z: ZeroSetup, gathered) -> tuple:
@@ -119,21 +145,28 @@ def deepspeed_notes(z: ZeroSetup, gathered) -> tuple:
     elif z.master_bytes == 2:
         notes.append("bf16-true: bf16.bf16_master_weights_and_grads and bf16_optimizer_states "
                      "must be set in ds_config (master, gradients and states in bf16).")
+    if z.stage in (1, 2) and not z.offload_optimizer:
+        notes.append("ZeRO-1/2 per rank: grads_in_partition holds the whole of every parameter the "
+                     "rank's partition overlaps and is allocated at the first bucket flush that "
+                     "reduces one of them (stage_1_and_2.py copy_grads_in_partition); the headline "
+                     "is the worst rank.")
     if z.offload_optimizer:
         notes.append("ZeRO-Offload with a torch optimizer needs zero_force_ds_cpu_optimizer=false "
                      "(engine.py _configure_optimizer); master, states and fp32 gradients in host RAM.")
     if gathered is not None:
         notes.append("ZeRO-3 gathered parameters: " + (
-            "all kept gathered from forward to backward (2 x model numel < stage3_max_reuse_distance)"
-            if gathered[1] else "partly re-gathered per module, prefetch bucket added")
-            + "; added at full depth to the forward and backward peaks.")
+            "each kept gathered from its module's forward fetch to its own backward (2 x model "
+            "numel < stage3_max_reuse_distance), on the per-depth curve" if gathered[1] else
+            "partly re-gathered per module, prefetch bucket added; added at full depth to the "
+            "forward and backward peaks") + ".")
     return tuple(notes)
 
 
 def estimate_memory(traces: TraceSet, strategy: Strategy, workload: Workload, cluster: Cluster,
                     ds: DeepSpeedConfig, ddp: DDPConfig, dp_size: int,
                     cai: ColossalAIConfig | None = None) -> MemoryEstimate:
-    """Peak memory of the worst rank of `strategy` (module docstring: method and assumptions).
+    """Peak memory of the worst rank of `strategy` (module docstring: method and assumptions),
+    with every rank's peak in `per_rank_peak_allocated_bytes` when ranks differ (ZeRO 1-2).
     ColossalAI strategies (colossalai.py) may add full-depth storages per phase (`extra`)."""
     extra: dict = {}
     if strategy.backend == "colossalai":
@@ -141,9 +174,25 @@ def estimate_memory(traces: TraceSet, strategy: Strategy, workload: Workload, cl
 
         traces, layouts, notes, extra = colossalai_memory(traces, strategy, workload, ddp,
                                                           cai or ColossalAIConfig(), dp_size, cluster.device)
-        gathered = None
+        gathered, groups = None, []
     else:
         layouts, notes, gathered = _layouts(traces, strategy, workload, ds, ddp, dp_size)
+        groups = _rank_layouts(traces, strategy, workload, ds, dp_size)
+    if not groups:
+        return _estimate(traces, layouts, notes, gathered, extra, cluster, dp_size)
+    per_rank, worst_peak, worst = {}, -1, None
+    for ranks, layouts in groups:  # the allocator replay (cuda reserved) only for the worst rank
+        peak = _phase_totals(traces, layouts, gathered, extra, cluster)[2]
+        per_rank.update((r, peak) for r in ranks)
+        if peak > worst_peak:
+            worst_peak, worst = peak, layouts
+    est = _estimate(traces, worst, notes, gathered, extra, cluster, dp_size)
+    return replace(est, per_rank_peak_allocated_bytes=tuple(per_rank[r] for r in range(dp_size)))
+
+
+def _phase_totals(traces: TraceSet, layouts: list, gathered, extra: dict, cluster: Cluster):
+    """(total per phase, breakdown per phase, peak allocated) of one rank from its layouts at the
+    two traced depths (allocated includes the cuBLAS workspaces on cuda)."""
     cuda = cluster.device == "cuda"
     rounding = runtime.allocator_rounding_bytes(cluster.device)
     peaks = [phase_peaks(lay, rounding, with_host=not cuda) for lay in layouts]
@@ -157,7 +206,16 @@ def estimate_memory(traces: TraceSet, strategy: Strategy, workload: Workload, cl
         for cat, nbytes in cats.items():
             total[ph] += nbytes
             breakdown[ph][cat] += nbytes
-    gathered_bytes += max((sum(c.values()) for c in extra.values()), default=0)
+    workspace = runtime.cublas_workspace_bytes(cluster.sm_arch) if cuda else 0
+    return total, breakdown, max(total.values()) + workspace
+
+
+def _estimate(traces: TraceSet, layouts: list, notes, gathered, extra: dict, cluster: Cluster,
+              dp_size: int) -> MemoryEstimate:
+    """The estimate of one rank from its layouts at the two traced depths."""
+    cuda = cluster.device == "cuda"
+    total, breakdown, _ = _phase_totals(traces, layouts, gathered, extra, cluster)
+    gathered_bytes = (gathered[0] if gathered else 0) + max((sum(c.values()) for c in extra.values()), default=0)
     phase = max(PHASES, key=lambda ph: total[ph])
     host = extrapolate_layouts(layouts, [host_bytes(x) for x in layouts], traces.num_layers)
     bd = dict(breakdown[phase])

@@ -11,6 +11,7 @@ section in ds_config, launcher/emit/deepspeed.py) -> the client optimizer itself
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -55,33 +56,110 @@ def flat_numel(total: int, dp: int) -> int:
     return math.ceil(total / alignment) * alignment
 
 
-def grads_in_partition_numel(sizes: list[int], dp: int) -> int:
-    """stage_1_and_2.py `copy_grads_in_partition`: `grads_in_partition` holds the *whole* numel of
-    every parameter overlapping this rank's partition (`params_in_partition`,
-    `get_partition_info`). Worst rank."""
+def partition_mask(sizes: list[int], dp: int, rank: int) -> list[bool]:
+    """Which parameters `rank`'s partition holds (stage_1_and_2.py `get_partition_info`): those
+    starting inside [rank x part, (rank + 1) x part) of the flat buffer, plus the one crossing its
+    start (`first_offset`); part = padded flat numel / dp (`flat_numel`)."""
     part = flat_numel(sum(sizes), dp) // dp
-    worst, start = 0, 0
-    bounds = []
+    lo, hi = rank * part, (rank + 1) * part
+    out, start = [], 0
     for n in sizes:
-        bounds.append((start, start + n))
+        out.append(lo <= start < hi or start < lo < start + n)
         start += n
-    for r in range(dp):
-        lo, hi = r * part, (r + 1) * part
-        worst = max(worst, sum(n for (a, b), n in zip(bounds, sizes) if a < hi and b > lo))
-    return worst
+    return out
 
 
-def first_flush_event(trace: StepTrace, bucket_numel: int):
-    """The traced ready event at which the reduce bucket first overflows
-    (`reduce_independent_p_g_buckets_and_remove_grads`: `bucket.elements + param.numel() >
-    self.reduce_bucket_size` -> `reduce_ipg_grads`), else None (first flush at the epilogue)."""
-    elements = 0
+def grads_in_partition_numel(sizes: list[int], dp: int, rank: int | None = None) -> int:
+    """stage_1_and_2.py `copy_grads_in_partition`: `grads_in_partition` holds the *whole* numel of
+    every parameter in this rank's partition (`params_in_partition`, `partition_mask`). `rank`
+    None: the worst rank."""
+    ranks = range(dp) if rank is None else [rank]
+    return max(sum(n for n, inside in zip(sizes, partition_mask(sizes, dp, r)) if inside) for r in ranks)
+
+
+def reduce_events(trace: StepTrace, bucket_numel: int) -> dict:
+    """{parameter: traced ready event of the hook whose flush reduces its gradient, or None for the
+    epilogue}. stage_1_and_2.py `reduce_independent_p_g_buckets_and_remove_grads`: a parameter's
+    hook first flushes the bucket if `bucket.elements + param.numel() > reduce_bucket_size`
+    (`reduce_ipg_grads`, which then copies each in-partition gradient, `copy_grads_in_partition`),
+    then adds its own gradient; what is left is reduced by the epilogue
+    (`overlapping_partition_gradients_reduce_epilogue`)."""
+    out, pending, elements = {}, [], 0
     for i, event in grad_ready_order(trace):
         n = int(trace.params.numel[i])
         if elements and elements + n > bucket_numel:
-            return event
+            out.update((p, event) for p in pending)
+            pending, elements = [], 0
+        pending.append(i)
         elements += n
-    return None
+    out.update((p, None) for p in pending)
+    return out
+
+
+def first_flush_event(trace: StepTrace, bucket_numel: int):
+    """The traced ready event at which the reduce bucket first overflows (`reduce_events`), else
+    None (first flush at the epilogue)."""
+    events = [e for e in reduce_events(trace, bucket_numel).values() if e is not None]
+    return min(events) if events else None
+
+
+def full_depth_flush_events(trace: StepTrace, num_layers: int, bucket_numel: int) -> list:
+    """For each parameter of the real-depth model (`full_depth_numels` order), the traced event of
+    the flush that reduces it (`reduce_events`; None: the epilogue). Parameters outside the layers
+    map one to one; a real layer's parameter takes the earliest flush of the same parameter in any
+    traced layer (the first real layer to reduce it runs first in backward)."""
+    p = trace.params
+    idx = trainable_params(trace)
+    flushes = reduce_events(trace, bucket_numel)
+    inf = float("inf")
+    at = [inf if flushes.get(i) is None else flushes[i] for i in idx]
+    in_layer = [k for k, i in enumerate(idx) if p.layer[i] >= 0]
+    if not in_layer:
+        return [None if e == inf else e for e in at]
+    first, last = in_layer[0], in_layer[-1]
+    layer_at: dict = {}
+    for k in range(first, last + 1):
+        layer_at.setdefault(int(p.layer[idx[k]]), []).append(at[k])
+    per_param = [min(col) for col in zip(*layer_at.values())]
+    out = at[:first] + per_param * num_layers + at[last + 1:]
+    return [None if e == inf else e for e in out]
+
+
+def gradient_partitions(trace: StepTrace, z: ZeroSetup) -> list[tuple[int, object]]:
+    """Per rank, (numel, traced ready event or None for the epilogue) of `grads_in_partition`:
+    the whole numel of the rank's partition's parameters at the real depth (`partition_mask`),
+    allocated lazily by the first `copy_grads_in_partition`, i.e. at the first flush that reduces
+    a gradient of its partition (`reduce_ipg_grads`: gradients outside the partition are only
+    dropped, `clear_grad_attribute`). Stage 1 without overlap_comm reduces after backward
+    (`reduce_gradients`): the epilogue for every rank."""
+    depth = z.num_layers or trace.num_layers
+    full = full_depth_numels(trace, depth)
+    in_hooks = z.stage == 2 or z.overlap_comm
+    flushes = full_depth_flush_events(trace, depth, z.ds.reduce_bucket_size) if in_hooks else [None] * len(full)
+    part = flat_numel(sum(full), z.dp) // z.dp
+    starts = [0]
+    for n in full:
+        starts.append(starts[-1] + n)
+    out = []
+    for rank in range(z.dp):
+        lo, hi = rank * part, (rank + 1) * part
+        a, b = bisect.bisect_left(starts, lo, 0, len(full)), bisect.bisect_left(starts, hi, 0, len(full))
+        if a > 0 and starts[a - 1] < lo < starts[a]:  # the parameter crossing the partition's start
+            a -= 1
+        events = [e for e in flushes[a:b] if e is not None]
+        out.append((starts[b] - starts[a], min(events) if events else None))
+    return out
+
+
+def rank_gradient_partition(trace: StepTrace, z: ZeroSetup, rank: int | None) -> tuple[int, object]:
+    """`gradient_partitions` of one rank; `rank` None: the largest partition at the first flush
+    (a bound over ranks)."""
+    if rank is not None:
+        return gradient_partitions(trace, z)[rank]
+    full = full_depth_numels(trace, z.num_layers or trace.num_layers)
+    in_hooks = z.stage == 2 or z.overlap_comm
+    return (grads_in_partition_numel(full, z.dp),
+            first_flush_event(trace, z.ds.reduce_bucket_size) if in_hooks else None)
 
 
 def _states(layout: Layout, z: ZeroSetup, numel: int, num_tensors: int, host: bool) -> None:
@@ -134,8 +212,9 @@ def zero0_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
     return layout
 
 
-def zero12_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
-    """Stages 1 and 2 (zero/stage_1_and_2.py `DeepSpeedZeroOptimizer`)."""
+def zero12_layout(trace: StepTrace, z: ZeroSetup, rank: int | None = None) -> Layout:
+    """Stages 1 and 2 (zero/stage_1_and_2.py `DeepSpeedZeroOptimizer`) on `rank` (None: a bound
+    over ranks); ranks differ only by their gradient partition (`rank_gradient_partition`)."""
     sizes = numels(trace)
     e, m, dp = z.model_bytes, z.master_bytes, z.dp
     flat = flat_numel(sum(sizes), dp)
@@ -161,11 +240,8 @@ def zero12_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
         small &= trace.params.numel[trace.param.clip(0)] <= bucket
         layout.free[small] = ready[small]
         free_at_next_ready(layout, g & ~small, r0)
-        event = first_flush_event(trace, bucket)
-        flush = r0 if event is None else int(layout.ev(event))
     else:  # stage 1: reduce_gradients after backward walks the parameters in order
         layout.free[g] = r0
-        flush = r0
         first_bucket = 0
         for n in sizes:
             if first_bucket + n > bucket:
@@ -175,10 +251,11 @@ def zero12_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
     if off:
         _offload_terms(layout, z, sizes, part)
         return layout
-    gip = grads_in_partition_numel(sizes, dp)
-    if z.num_layers:  # which parameters straddle the partition boundary depends on the real depth
-        gip = at_traced_depth(grads_in_partition_numel(full_depth_numels(trace, z.num_layers), dp),
-                              layer_numel(trace) / dp, trace, z.num_layers)
+    gip, event = rank_gradient_partition(trace, z, rank)
+    if z.num_layers:  # which parameters a partition holds depends on the real depth: written at the
+        # traced depth as growing by at most a layer's share per layer, extrapolating to `gip`
+        gip = at_traced_depth(gip, min(layer_numel(trace) / dp, gip / z.num_layers), trace, z.num_layers)
+    flush = r0 if event is None else int(layout.ev(event))
     layout.add("grads_in_partition", "gradients", e * gip, flush, s1)
     # step(): flatten(averaged_gradients) -> .to(fp32) -> optimizer step -> grad = None
     layout.add("flat_grad_partition", "gradients", e * part, s0, s1)

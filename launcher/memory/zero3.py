@@ -2,18 +2,20 @@
 partition_parameters.py, partitioned_param_coordinator.py) on one rank, optionally offloading the
 optimizer and the parameters to host RAM.
 
-Gathered parameters are not on the per-depth curve: how many stay gathered depends on the real
-depth (`stage3_max_reuse_distance`), so `gathered_param_bytes` is computed at full depth and added
-to the forward and backward peaks after extrapolation.
+Gathered parameters: when the real depth's forward and backward fit in `stage3_max_reuse_distance`
+(`gathered_param_bytes` decides it at full depth), every parameter stays gathered from its module's
+forward fetch until its own backward and is released there (`gathered_param_terms`: on the
+per-depth curve). Otherwise parameters are re-gathered per module and `gathered_param_bytes` is
+added at full depth to the forward and backward peaks after extrapolation.
 """
 from __future__ import annotations
 
 import math
 
-from launcher.steptrace import Kind, StepTrace
+from launcher.steptrace import Kind, Role, StepTrace
 
 from .common import (Layout, free_at_next_ready, full_depth_numels, grad_ready_order,  # noqa: F401
-                     optimizer_step_temp_numel)
+                     optimizer_step_temp_numel, trainable_params)
 from .deepspeed import ZeroSetup, _states, numels
 
 
@@ -68,6 +70,8 @@ def zero3_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
     layout.add("16bit_param_partitions", "parameters", e * total_part, host=off_par)
     # persistent parameters (numel <= stage3_param_persistence_threshold) stay gathered
     layout.add("persistent_gathered_params", "parameters", e * persistent)
+    if all_kept_gathered(trace, z):
+        gathered_param_terms(layout, trace, z)
     # _create_fp32_partitions: fp32 master of the partitions, one flat tensor per sub-group
     groups = sub_groups(parts, z.ds.sub_group_size)
     layout.add("fp32_master_partition", "optimizer_states", m * total_part, host=off_opt)
@@ -125,3 +129,47 @@ def gathered_param_bytes(sizes: list[int], z: ZeroSetup) -> tuple[int, bool]:
         return z.model_bytes * kept, True
     prefetch = min(z.ds.stage3_prefetch_bucket_size, z.ds.stage3_max_live_parameters)
     return z.model_bytes * (kept + released_max + prefetch), False
+
+
+def all_kept_gathered(trace: StepTrace, z: ZeroSetup) -> bool:
+    """No parameter of the real-depth model is released between its forward and its backward
+    (`gathered_param_bytes` at full depth)."""
+    return gathered_param_bytes(full_depth_numels(trace, z.num_layers or trace.num_layers), z)[1]
+
+
+def fetch_event(trace: StepTrace, role: int) -> int:
+    """When a parameter's module is first fetched in forward (partitioned_param_coordinator.py
+    `fetch_sub_module` from the module's pre-forward hook, parameter_offload.py
+    `_pre_forward_module_hook`): embeddings at the start of forward, decoder-layer parameters where
+    the layers start, the final norm and LM head where they end (`StepTrace.layer_bounds`)."""
+    start = trace.phases["forward"][0]
+    bounds = trace.layer_bounds.get("forward")
+    if not bounds or role in (Role.EMBEDDING, Role.OTHER):
+        return start
+    return int(bounds[0] if role == Role.LAYER else bounds[1])
+
+
+def gathered_param_terms(layout: Layout, trace: StepTrace, z: ZeroSetup) -> None:
+    """Each non-persistent trainable parameter's gathered copy (numel x model bytes,
+    partition_parameters.py `_all_gather_sequential` / `all_gather_coalesced`), alive from its
+    module's forward fetch (`fetch_event`) until its gradient is ready in backward.
+
+    Release: partitioned_param_coordinator.py `release_sub_module` runs after each module's
+    backward (parameter_offload.py `_post_backward_module_hook`) and `__params_to_release` keeps a
+    parameter only if it occurs again in the rest of the step's module trace
+    (`__submodule_order[step_id:]`) within `stage3_max_reuse_distance`. In backward the rest of the
+    trace is the backward of earlier modules, so a parameter is released right after its own last
+    backward use: a decoder layer's parameters after that layer's backward, a tied embedding /
+    LM-head weight only after the embedding's backward at the very end. Its gradient's
+    AccumulateGrad node (autograd runs it before the module's post-backward hook) is the last
+    event before the release, so the copy is live through the gradient's ready event (a parameter
+    without a traced gradient: until backward ends)."""
+    t, e = trace, z.model_bytes
+    ready = dict(grad_ready_order(t))
+    fallback = layout.reduce_ev(0)
+    for i in trainable_params(t):
+        n = int(t.params.numel[i])
+        if n <= z.ds.stage3_param_persistence_threshold:
+            continue
+        end = int(layout.ev(ready[i])) + 1 if i in ready else fallback
+        layout.add("gathered_params", "parameters", e * n, fetch_event(t, int(t.params.role[i])), end)
