@@ -42,7 +42,7 @@ SMALL_BUCKETS = ["deepspeed.reduce_bucket_size=200000", "deepspeed.allgather_buc
 NO_SDPA = {"tiny-bloom", "small-bloom"}  # transformers' BLOOM has no sdpa attention
 
 
-COLOSSALAI_ON_CPU = {"cai_ddp", "cai_zero1", "cai_zero2"}  # run under tests/colossalai_cpu_compat.py
+COLOSSALAI_ON_CPU = {"cai_ddp", "cai_zero1", "cai_zero2", "cai_tp"}  # run under tests/colossalai_cpu_compat.py
 
 
 def cell(model, size, strategy, precision, ckpt=False, attn="sdpa", buckets="small", peft="none") -> dict:
@@ -70,6 +70,7 @@ def full_cells(strategies: list[str]) -> list[dict]:
     first += [cell(m, "tiny", s, "32-true", peft="lora") for m in ("tiny-llama",) for s in ("ddp", "zero2")]
     first += [cell("small-llama", "small", "ddp", "32-true", peft="lora")]
     first += [cell("tiny-llama", "tiny", s, "32-true") for s in sorted(COLOSSALAI_ON_CPU)]
+    first += [cell("tiny-llama", "tiny", "cai_tp", "bf16-mixed"), cell("small-llama", "small", "cai_tp", "32-true")]
     first += [cell(m, "small", s, "32-true") for m in SIZES["small"][0] for s in strategies]
     first += [cell("tiny-bloom", "tiny", s, "32-true") for s in strategies]
     first += [cell("tiny-bloom", "tiny", s, "32-true", ckpt=True) for s in variants]
@@ -137,7 +138,7 @@ def reestimate(r: dict, hardware: str) -> dict:
     c = plan.candidates[plan.chosen]
     m = r["measure"]
     for row in m["memory"]:
-        row["estimated_peak_bytes"] = c.memory.peak_allocated_bytes
+        row["estimated_peak_bytes"] = c.memory.rank_peak_allocated_bytes(row["rank"])
         row["error_percent"] = 100.0 * (row["estimated_peak_bytes"] - row["measured_peak_bytes"]) / row["measured_peak_bytes"]
     if "time" in m:
         t = m["time"]
@@ -285,7 +286,8 @@ def rows_of(results: list[dict]) -> list[dict]:
         max_err = max(abs(e) for e in errs)
         t = m.get("time", {})
         out.append({**base,
-                    "estimated_mib": mem[0]["estimated_peak_bytes"] / 2**20,
+                    "estimated_mib": max(row["estimated_peak_bytes"] for row in mem) / 2**20,
+                    "estimated_mib_per_rank": [row["estimated_peak_bytes"] / 2**20 for row in mem],
                     "measured_mib": [row["measured_peak_bytes"] / 2**20 for row in mem],
                     "memory_error_percent": errs, "max_abs_memory_error_percent": max_err,
                     "estimated_step_s": t.get("estimated_step_s"), "measured_step_s": t.get("measured_step_s"),
@@ -327,13 +329,15 @@ def markdown(rows: list[dict], rank: dict, meta: dict) -> str:
              "(3 steps, allocation tracker on; per-rank peak live tensor bytes) and a timing pass (tracker "
              "off; median step time after 2 warm-up steps). Error = (estimated - measured) / measured.", "",
              "Reproduce:", "", "```", *meta["commands"], "```", "",
-             "| model | strategy | precision | ckpt | attn | buckets | est. MiB | meas. MiB (r0, r1) | mem err % (r0, r1) | est. step s | meas. step s | step err % | re-timed s | re-timed err % | note |",
+             "| model | strategy | precision | ckpt | attn | buckets | est. MiB (per rank if they differ) | meas. MiB (r0, r1) | mem err % (r0, r1) | est. step s | meas. step s | step err % | re-timed s | re-timed err % | note |",
              "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         meas = ", ".join(f"{v:.3f}" for v in r.get("measured_mib", [])) or "-"
         errs = ", ".join(f"{v:+.3f}" for v in r.get("memory_error_percent", [])) or "-"
+        per_rank = r.get("estimated_mib_per_rank", [])  # ranks estimated apart (ZeRO 1-2) when they differ
+        est = ", ".join(f"{v:.3f}" for v in per_rank) if len(set(per_rank)) > 1 else fmt(r.get("estimated_mib"), ".3f")
         lines.append(f"| {r['model']} | {r['strategy']} | {r['precision']} | {'on' if r['gradient_checkpointing'] else 'off'} "
-                     f"| {r['attn']} | {r['buckets']} | {fmt(r.get('estimated_mib'), '.3f')} | {meas} | {errs} "
+                     f"| {r['attn']} | {r['buckets']} | {est} | {meas} | {errs} "
                      f"| {fmt(r.get('estimated_step_s'), '.4f')} | {fmt(r.get('measured_step_s'), '.4f')} "
                      f"| {fmt(r.get('step_error_percent'), '+.0f')} | {fmt(r.get('retimed_step_s'), '.4f')} "
                      f"| {fmt(r.get('retimed_error_percent'), '+.0f')} | {r['note']} |")
