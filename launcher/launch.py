@@ -63,7 +63,8 @@ def run_spec(c: Candidate, config: LauncherConfig, spec: ModelSpec, run_dir: Pat
         estimate={"peak_allocated_bytes": c.memory.peak_allocated_bytes,
                   "peak_reserved_bytes": c.memory.peak_reserved_bytes,
                   "device_total_bytes": c.memory.device_total_bytes, "step_s": c.speed.step_s,
-                  "breakdown": dict(c.memory.breakdown)},
+                  "breakdown": dict(c.memory.breakdown),
+                  "per_rank_peak_allocated_bytes": list(c.memory.per_rank_peak_allocated_bytes)},
     )
 
 

@@ -31,7 +31,12 @@ def append_metrics(run_dir: str | Path, record: dict) -> None:
 
 
 def estimated_per_rank(estimate: dict, world_size: int) -> Optional[list[int]]:
-    """`estimate["peak_allocated_bytes"]`: one number for every rank, or a list per rank."""
+    """Each rank's estimated peak: `estimate["per_rank_peak_allocated_bytes"]` when the plan
+    estimated ranks apart (ZeRO 1-2 gradient partitions), else `peak_allocated_bytes` (one number
+    for every rank, or a list per rank)."""
+    per_rank = (estimate or {}).get("per_rank_peak_allocated_bytes") or []
+    if len(per_rank) == world_size:
+        return [int(v) for v in per_rank]
     value = estimate.get("peak_allocated_bytes") if estimate else None
     if value is None:
         return None

@@ -275,3 +275,13 @@ def test_check_validates_a_good_spec_without_training(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         train.check(spec)
     assert len(err.value.problems) == 2
+
+
+def test_summary_compares_each_rank_with_its_own_estimate() -> None:
+    from launcher.worker.metrics import estimated_per_rank
+
+    per_rank = {"peak_allocated_bytes": 400, "per_rank_peak_allocated_bytes": [326, 400]}
+    assert estimated_per_rank(per_rank, 2) == [326, 400]
+    assert estimated_per_rank({"peak_allocated_bytes": 400, "per_rank_peak_allocated_bytes": []}, 2) == [400, 400]
+    # a per-rank list that does not cover the world (tensor-parallel ranks) falls back to the headline
+    assert estimated_per_rank({"peak_allocated_bytes": 400, "per_rank_peak_allocated_bytes": [326, 400]}, 4) == [400] * 4
