@@ -15,7 +15,9 @@ worker):
   (doc/PERFORMANCE.md: all-reduce busbw = S/t x 2(n-1)/n, all-gather busbw = S/t x (n-1)/n with
   S the gathered size), and the latency of a 4-byte all-reduce; the profile keeps the largest
   size's bandwidth (`largest`);
-- on GPU, pinned host -> device copy bandwidth.
+- on GPU, pinned host -> device copy bandwidth;
+- with `calibrate.frameworks=[...]`, each strategy's per-step framework overhead, by training a
+  small model through the real worker (launcher/calibrate_frameworks.py).
 Every measurement repeats `calibrate.repeats` times after one warm-up; the median is kept.
 """
 from __future__ import annotations
@@ -237,8 +239,19 @@ def main(config: LauncherConfig, run_dir: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     header = (f"# {prof['name']}: measured by `python -m launcher mode=calibrate hardware={config.hardware.name} "
               f"gpus={config.gpus}` ({prof['source']}).\n# Raw measurements per rank: ../calibration.json\n")
+    prof.pop("framework_overhead_s", None)  # the framework runs measure against the other terms alone
     path.write_text(header + yaml.safe_dump(prof, sort_keys=False))
-    (run_dir / "calibration.json").write_text(json.dumps({"ranks": results, "profile": prof}, indent=2) + "\n")
+    frameworks = []
+    if config.calibrate.frameworks:
+        from launcher.calibrate_frameworks import add_to_profile, measure_frameworks
+
+        overhead, frameworks = measure_frameworks(
+            list(config.calibrate.frameworks), list(config.calibrate.framework_depths),
+            config.calibrate.framework_timing_steps, path, config.gpus, run_dir / "frameworks")
+        add_to_profile(path, overhead)
+        prof = yaml.safe_load(path.read_text())
+    (run_dir / "calibration.json").write_text(
+        json.dumps({"ranks": results, "frameworks": frameworks, "profile": prof}, indent=2) + "\n")
     print(yaml.safe_dump(prof, sort_keys=False), end="")
     print(f"\nprofile: {path}\nuse it: python -m launcher hardware={path} ...")
     return path

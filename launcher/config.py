@@ -142,6 +142,11 @@ class HardwareConfig:
     collective_latency_s: float = 2.0e-5
     """Fixed time of one collective call (a 4-byte all-reduce), s. CPU gloo: measured by
     mode=calibrate; GPU NCCL: ~20 us intra-node small-message latency (nccl-tests, assumption)."""
+    framework_overhead_s: Dict[str, List[float]] = field(default_factory=dict)
+    """Per strategy, [seconds per optimizer step, seconds per parameter tensor per micro-batch]
+    that the framework's own step costs beyond the speed model's terms (engine bookkeeping,
+    per-parameter hooks, the worker's loop). Measured by `mode=calibrate
+    calibrate.frameworks=[...]` (launcher/calibrate_frameworks.py); absent = 0."""
 
 
 @dataclass
@@ -379,6 +384,14 @@ class CalibrateConfig:
     """Message sizes of the all-reduce / all-gather runs between `gpus` local ranks."""
     repeats: int = 5
     """Timed repetitions per measurement (the median is kept)."""
+    frameworks: List[str] = field(default_factory=list)
+    """Strategies whose per-step framework overhead to measure by training the calibration model
+    (e.g. [ddp,zero0,zero1,zero2,zero3]); empty = skip (it takes ~30 s per strategy and depth)."""
+    framework_depths: List[int] = field(default_factory=lambda: [1, 4])
+    """Decoder depths of the calibration model: two or more separate the per-step overhead from the
+    per-parameter-tensor one."""
+    framework_timing_steps: int = 16
+    """Timed optimizer steps per framework measurement (after 3 warm-up steps; the median is kept)."""
 
 
 @dataclass

@@ -63,4 +63,5 @@ def cluster_from(hw: HardwareConfig, num_gpus: int, num_nodes: int) -> Cluster:
         op_overhead_s=float(hw.op_overhead_s), collective_latency_s=float(hw.collective_latency_s),
         all_gather_bandwidth_gbps=None if hw.all_gather_bandwidth_gbps is None else float(hw.all_gather_bandwidth_gbps),
         elementwise_gbps=None if hw.elementwise_gbps is None else float(hw.elementwise_gbps),
+        framework_overhead_s={k: [float(x) for x in v] for k, v in (hw.framework_overhead_s or {}).items()},
     )

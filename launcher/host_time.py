@@ -75,6 +75,7 @@ class StepCounts:
     num_modules: float  # modules owning parameters
     gathered_modules: float  # ZeRO-3: modules with a parameter above the persistence threshold
     gathered_numel: float  # ZeRO-3: elements of the parameters above the persistence threshold
+    num_param_tensors: float = 0.0  # parameter tensors of the model (framework per-tensor overhead)
 
 
 def step_counts(traces, persistence_threshold: int) -> StepCounts:
@@ -97,7 +98,8 @@ def step_counts(traces, persistence_threshold: int) -> StepCounts:
         forward_ops=allocs("forward"), backward_ops=allocs("backward"), optimizer_ops=allocs("optimizer"),
         activation_bytes=allocs("forward", True) + allocs("backward", True),
         num_modules=traces.at_depth(modules), gathered_modules=traces.at_depth(lambda t: modules(t, True)),
-        gathered_numel=traces.at_depth(lambda t: float(t.params.numel[t.params.numel > persistence_threshold].sum())))
+        gathered_numel=traces.at_depth(lambda t: float(t.params.numel[t.params.numel > persistence_threshold].sum())),
+        num_param_tensors=traces.at_depth(lambda t: float(len(t.params.numel))))
 
 
 def _call_s(num_calls: float, num_bytes: float, factor: float, gbps: float, cluster: Cluster) -> float:

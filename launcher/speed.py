@@ -41,6 +41,10 @@ Assumptions (each is used in exactly one function below, whose docstring gives i
    processes op dispatch, activation traffic, the memory-bound optimizer, framework copies and
    gloo collectives (latency per call + bytes) add to the FLOP time, all exposed; on a GPU only
    op dispatch counts, as max(FLOP time, ops x op_overhead_s) since launches are asynchronous.
+8. Framework overhead: what a strategy's step costs beyond all of the above (the engine's Python
+   bookkeeping per step, per-parameter hooks, the worker's loop) is measured on the machine by
+   training a small model at two depths (launcher/calibrate_frameworks.py) and stored in the
+   hardware profile; it is added as is (0 for profiles that were not calibrated this way).
 """
 from __future__ import annotations
 
@@ -232,8 +236,9 @@ def estimate_speed(flops_per_micro_batch: Mapping[str, float], strategy: Strateg
     if counts is not None:
         compute_s, exposed_s, host = _with_host_terms(counts, strategy, workload, cluster, compute_s, exposed_s,
                                                       trainable=trainable, num_params=num_params, dp=dp_size,
-                                                      accum=grad_accum_steps, ds=ds, ddp=ddp)
-    step_s = compute_s + exposed_s + offload_s + sum(v for k, v in host.items() if k != "comm_s")
+                                                      accum=grad_accum_steps, ds=ds, ddp=ddp, cai=cai, spec=spec)
+    framework_s = framework_overhead_s(cluster, strategy, counts, grad_accum_steps)
+    step_s = compute_s + exposed_s + offload_s + sum(v for k, v in host.items() if k != "comm_s") + framework_s
     tokens = workload.micro_batch_size * grad_accum_steps * dp_size * workload.seq_len
     breakdown = {
         "compute_s": compute_s, "comm_s": comm_s, "exposed_comm_s": exposed_s,
@@ -241,29 +246,79 @@ def estimate_speed(flops_per_micro_batch: Mapping[str, float], strategy: Strateg
                                           + flops_per_micro_batch["backward"]) * grad_accum_steps,
         "compute_dtype": dtype, "bus_bandwidth_gbps": bus_gbps, "comm_bytes_per_elem": elem_bytes,
         **{f"host_{k}": v for k, v in host.items()},
+        "framework_overhead_s": framework_s,
+        "num_param_tensors": counts.num_param_tensors if counts is not None else 0.0,
     }
     return SpeedEstimate(compute_s=compute_s, comm_s=exposed_s, step_s=step_s,
                          tokens_per_s=tokens / step_s if step_s > 0 else float("inf"),
                          breakdown=breakdown)
 
 
+def framework_overhead_s(cluster: Cluster, strategy: Strategy, counts, accum: int) -> float:
+    """The framework's own per-step cost (assumption 8): `fixed + per_tensor x parameter tensors x
+    micro-batches`, the two numbers `mode=calibrate calibrate.frameworks=[...]` measured for this
+    strategy on this machine (launcher/calibrate_frameworks.py); 0 where not calibrated."""
+    fixed_s, per_tensor_s = (cluster.framework_overhead_s or {}).get(strategy.name, (0.0, 0.0))
+    tensors = counts.num_param_tensors if counts is not None else 0.0
+    return fixed_s + per_tensor_s * tensors * accum
+
+
 def _with_host_terms(counts, strategy, workload, cluster, compute_s, exposed_s, *, trainable, num_params, dp,
-                     accum, ds, ddp):
+                     accum, ds, ddp, cai=None, spec=None):
     """(compute_s, exposed comm_s, host terms) with launcher/host_time.py's terms (estimate_speed)."""
     from launcher.host_time import host_time_s
 
-    if strategy.backend not in ("ddp", "deepspeed"):
-        return compute_s, exposed_s, {}  # host terms are modelled for torch DDP and DeepSpeed only
+    host_strategy, ds, tp_s = strategy, ds, 0.0
+    if strategy.backend == "colossalai":
+        if strategy.name == "cai_gemini" or strategy.pp_size > 1:
+            return compute_s, exposed_s, {}  # Gemini and pipelines do not run on CPU processes
+        host_strategy, ds = colossalai_host_equivalent(strategy, cai)
+        tp_s = tp_comm_s(strategy, workload, cluster, spec, accum, 4 if workload.precision == "32-true" else 2)
+        shard = strategy.tp_size * strategy.pp_size
+        trainable, num_params = trainable // shard, num_params // shard
     if cluster.device != "cpu":
         ops = (counts.forward_ops + counts.backward_ops) * accum + counts.optimizer_ops
         return max(compute_s, ops * cluster.op_overhead_s), exposed_s, {}
     model_bytes = 4 if workload.precision in ("32-true",) or (
-        strategy.backend == "ddp" and workload.precision.endswith("-mixed")) else 2
-    master_bytes = model_bytes if strategy.backend == "ddp" else (2 if workload.precision == "bf16-true" else 4)
-    host = host_time_s(counts, strategy, workload, cluster, trainable=trainable, num_params=num_params, dp=dp,
+        host_strategy.backend == "ddp" and workload.precision.endswith("-mixed")) else 2
+    master_bytes = model_bytes if host_strategy.backend == "ddp" else (2 if workload.precision == "bf16-true" else 4)
+    host = host_time_s(counts, host_strategy, workload, cluster, trainable=trainable, num_params=num_params, dp=dp,
                        accum=accum, model_bytes=model_bytes, master_bytes=master_bytes,
-                       grad_bytes=grad_bytes_per_elem(strategy, workload.precision), ds=ds, ddp=ddp)
+                       grad_bytes=grad_bytes_per_elem(host_strategy, workload.precision), ds=ds, ddp=ddp)
+    host["comm_s"] += tp_s
     return compute_s, host["comm_s"], host
+
+
+def colossalai_host_equivalent(strategy: Strategy, cai) -> tuple:
+    """(strategy, bucket sizes) whose host terms a ColossalAI plugin shares: TorchDDPPlugin and
+    HybridParallelPlugin's DP dimension without ZeRO are torch DDP (hybrid_parallel_plugin.py
+    wraps the shard in DDP); LowLevelZeroPlugin and the ZeRO DP dimension copy gradients into
+    `reduce_bucket_size_in_m` buckets, reduce-scatter them and all-gather the updated partition
+    like DeepSpeed ZeRO-1/2 (colossalai/zero/low_level/low_level_optim.py `_run_reduction`,
+    `step`: one all-gather of the whole flat partition per bucket store)."""
+    from types import SimpleNamespace
+
+    from launcher.config import ColossalAIConfig
+
+    cai = cai or ColossalAIConfig()
+    if strategy.name == "cai_ddp" or strategy.zero_stage == 0:
+        return Strategy("ddp", "ddp"), None
+    bucket = int(cai.reduce_bucket_size_in_m * 1024 * 1024)
+    return (Strategy(f"zero{strategy.zero_stage}", "deepspeed", strategy.zero_stage),
+            SimpleNamespace(reduce_bucket_size=bucket, allgather_bucket_size=bucket))
+
+
+def tp_comm_s(strategy: Strategy, workload: Workload, cluster: Cluster, spec, accum: int, elem: int) -> float:
+    """Tensor-parallel all-reduces per optimizer step: each decoder layer all-reduces b x s x hidden
+    activations twice in forward (the g operators) and twice in backward (the f operators)
+    (Megatron-LM, arXiv:1909.08053 sec. 3), on the intra-node link over tp ranks, not overlapped;
+    each call also pays `collective_latency_s`."""
+    if strategy.tp_size <= 1 or spec is None:
+        return 0.0
+    calls = 4 * spec.num_layers / strategy.pp_size * accum
+    act_bytes = workload.micro_batch_size * workload.seq_len * spec.hidden_size * elem
+    per_call = ring_time_s(act_bytes, strategy.tp_size, cluster.intra_node_bandwidth_gbps, "all_reduce")
+    return calls * (per_call + cluster.collective_latency_s)
 
 
 def colossalai_comm(strategy: Strategy, workload: Workload, cluster: Cluster, compute_s: float,
@@ -278,10 +333,8 @@ def colossalai_comm(strategy: Strategy, workload: Workload, cluster: Cluster, co
     - cai_gemini: chunk all-gathers in forward and backward and a gradient reduce-scatter per
       micro-batch, as ZeRO-3 (`_zero3_comm`); chunks are gathered whole, so the volume is the
       model's.
-    - tensor parallelism (tp > 1): the traced FLOPs are already one shard's. Each decoder layer
-      all-reduces b x s x hidden activations twice in forward (after attention and after the MLP,
-      the g operators) and twice in backward (the f operators) (Megatron-LM, arXiv:1909.08053
-      sec. 3), on the intra-node link over tp ranks, not overlapped. DP gradients are 1/tp.
+    - tensor parallelism (tp > 1): the traced FLOPs are already one shard's; `tp_comm_s` adds the
+      per-layer activation all-reduces. DP gradients are 1/tp.
     - pipeline parallelism (p > 1): the micro-batches of one optimizer step (grad_accum, a
       multiple of num_microbatches m) are the pipeline's micro-batches; the traced FLOPs cover all
       layers, a stage runs 1/p of them, and each 1F1B flush of m micro-batches idles
@@ -307,11 +360,8 @@ def colossalai_comm(strategy: Strategy, workload: Workload, cluster: Cluster, co
         comm += gather
     else:
         comm = exposed = ring_time_s(grads, dp, bus, "all_reduce")
-    if tp > 1 and spec is not None:
-        act_bytes = workload.micro_batch_size * workload.seq_len * spec.hidden_size * elem
-        tp_s = 4 * spec.num_layers / pp * ring_time_s(act_bytes, tp, cluster.intra_node_bandwidth_gbps,
-                                                      "all_reduce") * accum
-        comm, exposed = comm + tp_s, exposed + tp_s
+    tp_s = tp_comm_s(strategy, workload, cluster, spec, accum, elem)
+    comm, exposed = comm + tp_s, exposed + tp_s
     if pp > 1:
         from launcher.emit.colossalai import num_microbatches
 

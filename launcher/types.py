@@ -39,6 +39,7 @@ class Cluster:
     collective_latency_s: float = 2.0e-5  # fixed time per collective call
     all_gather_bandwidth_gbps: Optional[float] = None  # None = intra_node_bandwidth_gbps
     elementwise_gbps: Optional[float] = None  # fresh elementwise output bytes/s; None = memory bandwidth / 3
+    framework_overhead_s: dict = field(default_factory=dict)  # strategy -> [per step s, per param tensor s]
 
     @property
     def gpus_per_node(self) -> int:
