@@ -143,13 +143,13 @@ def run(spec) -> None:
         raise
     finally:
         dist.destroy_process_group()
-    if spec.backend == "colossalai":
-        # ColossalAI leaves joinable C++ threads behind: interpreter teardown then intermittently
-        # aborts ("terminate called without an active exception") after a finished run. Every
-        # file is written and closed by now, so leave without the teardown.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    # ColossalAI, DeepSpeed and torch's own pools leave joinable C++ threads behind: interpreter
+    # teardown then intermittently aborts ("terminate called without an active exception") after
+    # a finished run, which torchrun reports as a failed rank. Every file is written and closed
+    # by now, so leave without the teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _gather(obj) -> list:
