@@ -422,10 +422,14 @@ def main() -> int:
     meta = {"date": dt.date.today().isoformat(), "machine": machine(), "cells": len(results), "selected": len(cells),
             "wall_min": wall_min,
             "load": f"{min(load_values):.1f}-{max(load_values):.1f}" if load_values else "unknown",
-            "commands": ["scripts/setup", "python -m launcher mode=calibrate hardware=cpu gpus=2   # optional: re-measure this machine",
-                         f".venv/bin/python scripts/accuracy_matrix.py{' --quick' if args.quick else ''}"
+            "commands": ["scripts/setup",
+                         "export LAUNCHER_COLOSSALAI_TEST_PRELOAD=tests.colossalai_cpu_compat   # ColossalAI cells on CPU",
+                         ".venv/bin/python -m launcher mode=calibrate hardware=cpu gpus=2 "
+                         "'calibrate.frameworks=[ddp,zero0,zero1,zero2,zero3,cai_ddp,cai_zero1,cai_zero2,cai_tp]'"
+                         "   # optional: re-measure this machine, then copy the profile into conf/hardware/cpu.yaml",
+                         f".venv/bin/python scripts/accuracy_matrix.py{' --quick' if args.quick else ''} --interleave 2"
                          f"{' --hardware ' + args.hardware if args.hardware != 'cpu' else ''}",
-                         ".venv/bin/python scripts/accuracy_matrix.py --only '_32-true_' --interleave 2 --reestimate"]}
+                         ".venv/bin/python scripts/accuracy_matrix.py --reestimate   # estimates with the current code"]}
     docs = Path(args.docs)
     docs.mkdir(parents=True, exist_ok=True)
     write_csv(rows, docs / "accuracy.csv")
