@@ -4,8 +4,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from launcher.errors import ConfigError
+
+REPORT_GRACE_S = 10.0
+"""Seconds a non-reporting rank waits after a bad input before it exits (see `main`)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,9 +29,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             train.run(spec)
     except ConfigError as err:
-        # Every rank sees the same inputs, so one rank reporting is enough.
+        # Every rank sees the same inputs, so one rank reporting is enough. The others wait before
+        # leaving: torchrun stops every rank at the first exit, and a rank 0 still importing
+        # under load would otherwise be stopped before it could report.
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {err}", file=sys.stderr, flush=True)
+        elif "TORCHELASTIC_RUN_ID" in os.environ:
+            time.sleep(REPORT_GRACE_S)
         return ConfigError.exit_code
     return 0
 
