@@ -210,6 +210,8 @@ def build_config(key: TraceKey):
 
 
 TP_SHARDABLE = ("llama", "mistral", "qwen2")  # configs whose TP shard is a smaller config of the same kind
+
+
 def tp_padded_vocab(vocab_size: int, tp_size: int) -> int:
     """The vocabulary ColossalAI's vocab-parallel embedding and LM head pad to: a multiple of
     `make_vocab_size_divisible_by x tp_size` (colossalai/shardformer/layer/parallel_module.py

@@ -97,7 +97,8 @@ def plugin_config(strategy: Strategy, training: TrainingConfig, cai: ColossalAIC
         return {"plugin": name, "kwargs": kwargs}
     kwargs = {**common, "tp_size": strategy.tp_size, "pp_size": strategy.pp_size,
               "zero_stage": strategy.zero_stage, "parallel_output": PARALLEL_OUTPUT,
-              "make_vocab_size_divisible_by": vocab_multiple(vocab_size, strategy.tp_size), "ddp_bucket_cap_mb": int(ddp.bucket_cap_mb),
+              "make_vocab_size_divisible_by": vocab_multiple(vocab_size, strategy.tp_size),
+              "ddp_bucket_cap_mb": int(ddp.bucket_cap_mb),
               "gradient_as_bucket_view": ddp.gradient_as_bucket_view, "broadcast_buffers": False,
               "zero_bucket_size_in_m": cai.reduce_bucket_size_in_m,
               "overlap_communication": overlap(cai, device), "overlap_p2p": device != "cpu"}

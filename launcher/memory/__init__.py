@@ -176,17 +176,20 @@ def estimate_memory(traces: TraceSet, strategy: Strategy, workload: Workload, cl
                                                           cai or ColossalAIConfig(), dp_size, cluster.device)
         gathered, groups = None, []
     else:
-        layouts, notes, gathered = _layouts(traces, strategy, workload, ds, ddp, dp_size)
         groups = _rank_layouts(traces, strategy, workload, ds, dp_size)
+        if groups:  # ZeRO 1-2: only the per-rank layouts are built
+            notes, gathered = deepspeed_notes(_zero_setup(traces, strategy, workload, ds, dp_size), None), None
+        else:
+            layouts, notes, gathered = _layouts(traces, strategy, workload, ds, ddp, dp_size)
     if not groups:
         return _estimate(traces, layouts, notes, gathered, extra, cluster, dp_size)
-    per_rank, worst_peak, worst = {}, -1, None
+    per_rank, worst = {}, None
     for ranks, layouts in groups:  # the allocator replay (cuda reserved) only for the worst rank
-        peak = _phase_totals(traces, layouts, gathered, extra, cluster)[2]
-        per_rank.update((r, peak) for r in ranks)
-        if peak > worst_peak:
-            worst_peak, worst = peak, layouts
-    est = _estimate(traces, worst, notes, gathered, extra, cluster, dp_size)
+        totals = _phase_totals(traces, layouts, gathered, extra, cluster)
+        per_rank.update((r, totals[2]) for r in ranks)
+        if worst is None or totals[2] > worst[1][2]:
+            worst = (layouts, totals)
+    est = _estimate(traces, worst[0], notes, gathered, extra, cluster, dp_size, totals=worst[1])
     return replace(est, per_rank_peak_allocated_bytes=tuple(per_rank[r] for r in range(dp_size)))
 
 
@@ -211,10 +214,11 @@ def _phase_totals(traces: TraceSet, layouts: list, gathered, extra: dict, cluste
 
 
 def _estimate(traces: TraceSet, layouts: list, notes, gathered, extra: dict, cluster: Cluster,
-              dp_size: int) -> MemoryEstimate:
-    """The estimate of one rank from its layouts at the two traced depths."""
+              dp_size: int, totals=None) -> MemoryEstimate:
+    """The estimate of one rank from its layouts at the two traced depths (`totals`: their
+    `_phase_totals`, when already computed)."""
     cuda = cluster.device == "cuda"
-    total, breakdown, _ = _phase_totals(traces, layouts, gathered, extra, cluster)
+    total, breakdown, _ = totals or _phase_totals(traces, layouts, gathered, extra, cluster)
     gathered_bytes = (gathered[0] if gathered else 0) + max((sum(c.values()) for c in extra.values()), default=0)
     phase = max(PHASES, key=lambda ph: total[ph])
     host = extrapolate_layouts(layouts, [host_bytes(x) for x in layouts], traces.num_layers)
