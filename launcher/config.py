@@ -103,6 +103,9 @@ class HardwareConfig:
     name: str = MISSING
     source: str = ""
     """Datasheet(s) the numbers come from."""
+    calibrated_on: str = ""
+    """CPU model of the machine mode=calibrate measured (/proc/cpuinfo 'model name'); a CPU profile
+    used on a machine with another CPU model gets a note that its speed numbers are that machine's."""
     device: str = "cuda"
     """'cuda' for GPUs; 'cpu' for CPU processes (no CUDA runtime terms, gloo)."""
     memory_bytes: int = MISSING
@@ -111,6 +114,11 @@ class HardwareConfig:
     """Host RAM per node available for offload."""
     peak_tflops: Dict[str, float] = field(default_factory=dict)
     """Dense peak TFLOP/s by compute dtype: keys fp32, tf32, fp16, bf16 (no sparsity)."""
+    attention_tflops: Dict[str, float] = field(default_factory=dict)
+    """Sustained TFLOP/s of the fused attention kernel (scaled_dot_product_attention, forward and
+    backward) by compute dtype; absent = peak_tflops x matmul_efficiency. On CPU measured by
+    mode=calibrate: torch's CPU flash-attention kernel runs far below the matmul peak, in bf16 most
+    of all."""
     matmul_efficiency: float = 0.5
     """Fraction of peak a transformer training step achieves in matmuls (model FLOPs utilisation)."""
     memory_bandwidth_gbps: float = MISSING
@@ -132,13 +140,20 @@ class HardwareConfig:
     The 5 us default is an assumption for eager PyTorch on a GPU: a kernel launch costs a few
     microseconds of CPU time, which is why small kernels are launch-bound
     (https://pytorch.org/blog/accelerating-pytorch-with-cuda-graphs/)."""
-    elementwise_gbps: Optional[float] = None
-    """Bytes per second (GB/s) of fresh outputs that elementwise ops produce (allocation, first
-    touch, read of the inputs, write). Measured by mode=calibrate; null = memory_bandwidth_gbps / 3
-    (read two inputs, write one output)."""
+    elementwise_gelems_per_s: Optional[float] = None
+    """Elements per second (1e9/s) of fresh outputs that elementwise ops produce on CPU processes
+    (allocation, first touch, read of the inputs, write), whatever the dtype: ATen's CPU kernels
+    compute 16-bit elementwise ops in fp32 (launcher/host_time.py, term 2). Measured by
+    mode=calibrate; null = memory_bandwidth_gbps / 12 (fp32: read two inputs, write one output)."""
     all_gather_bandwidth_gbps: Optional[float] = None
     """Bus bandwidth of all-gather when it differs from the all-reduce's (gloo's all-gather is
     several times slower), GB/s; null = intra_node_bandwidth_gbps. Measured by mode=calibrate."""
+    collective_gbps: Dict[str, Dict[float, float]] = field(default_factory=dict)
+    """Measured bus bandwidth (GB/s) per collective and dtype (`all_reduce_fp32`, `all_reduce_bf16`,
+    `all_gather_fp32`, `all_gather_bf16`) by message size in MiB, the per-call latency taken out.
+    The CPU host terms use each dtype's largest-size bandwidth with `collective_latency_s` per call
+    (gloo sums 16-bit tensors slower than fp32); absent = intra_node_bandwidth_gbps /
+    all_gather_bandwidth_gbps. Measured by mode=calibrate."""
     collective_latency_s: float = 2.0e-5
     """Fixed time of one collective call (a 4-byte all-reduce), s. CPU gloo: measured by
     mode=calibrate; GPU NCCL: ~20 us intra-node small-message latency (nccl-tests, assumption)."""
@@ -380,10 +395,11 @@ class CalibrateConfig:
 
     matmul_sizes: List[int] = field(default_factory=lambda: [256, 512, 1024])
     """Square matmul sizes n (n x n @ n x n); the profile keeps the best sustained rate."""
-    collective_mib: List[float] = field(default_factory=lambda: [1.0, 16.0, 64.0])
+    collective_mib: List[float] = field(default_factory=lambda: [0.25, 1.0, 4.0, 16.0, 64.0])
     """Message sizes of the all-reduce / all-gather runs between `gpus` local ranks."""
-    repeats: int = 5
-    """Timed repetitions per measurement (the median is kept)."""
+    repeats: int = 20
+    """Timed repetitions per measurement (the median is kept; on a 2-core machine fewer than ~20
+    left the elementwise and small-message rates varying by 2x between runs)."""
     frameworks: List[str] = field(default_factory=list)
     """Strategies whose per-step framework overhead to measure by training the calibration model
     (e.g. [ddp,zero0,zero1,zero2,zero3]); empty = skip (it takes ~30 s per strategy and depth)."""
@@ -392,6 +408,9 @@ class CalibrateConfig:
     per-parameter-tensor one."""
     framework_timing_steps: int = 16
     """Timed optimizer steps per framework measurement (after 3 warm-up steps; the median is kept)."""
+    framework_rounds: int = 3
+    """Times each (strategy, depth) is measured, round-robin over all of them; the median over rounds
+    is kept (load drift then hits every strategy alike)."""
 
 
 @dataclass

@@ -62,6 +62,8 @@ def cluster_from(hw: HardwareConfig, num_gpus: int, num_nodes: int) -> Cluster:
         sm_arch=int(hw.sm_arch), cuda_context_bytes=int(hw.cuda_context_bytes),
         op_overhead_s=float(hw.op_overhead_s), collective_latency_s=float(hw.collective_latency_s),
         all_gather_bandwidth_gbps=None if hw.all_gather_bandwidth_gbps is None else float(hw.all_gather_bandwidth_gbps),
-        elementwise_gbps=None if hw.elementwise_gbps is None else float(hw.elementwise_gbps),
+        elementwise_gelems_per_s=None if hw.elementwise_gelems_per_s is None else float(hw.elementwise_gelems_per_s),
         framework_overhead_s={k: [float(x) for x in v] for k, v in (hw.framework_overhead_s or {}).items()},
+        collective_gbps={k: {float(mib): float(g) for mib, g in v.items()} for k, v in (hw.collective_gbps or {}).items()},
+        attention_tflops={k: float(v) for k, v in (hw.attention_tflops or {}).items()},
     )

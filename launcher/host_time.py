@@ -7,10 +7,19 @@ profile, measured by mode=calibrate, launcher/calibrate.py):
    output for costs `op_overhead_s` (Python, dispatcher, allocator, autograd node). The number
    of storages the trace allocates is the op count (an in-place op allocates nothing and is
    missed; a view is not an allocation: a lower bound).
-2. activation traffic: every byte the forward and backward allocate is a fresh output of a
-   memory-bound op, produced at `elementwise_gbps` (calibrated with a chain of elementwise ops
-   on fresh outputs: on CPU, first-touch page faults of new allocations cost more than the
-   arithmetic; default memory_bandwidth_gbps / 3: two inputs read, one output written).
+2. activation traffic: what the forward and backward allocate, by the class of the op that
+   allocated it (launcher/steptrace.py `OpClass`, recorded by the tracer):
+   - elementwise outputs are produced at `elementwise_gelems_per_s` (calibrated with a chain of
+     elementwise ops on fresh outputs: on CPU, first-touch page faults of new allocations cost
+     more than the arithmetic; default memory_bandwidth_gbps / 12: an fp32 op reads two inputs
+     and writes one output). Counted in elements, not bytes: ATen's CPU kernels compute bf16/fp16
+     elementwise ops in fp32, converting on load and store
+     (aten/src/ATen/cpu/vec/vec256/vec256_bf16.h `binary_op_as_fp32`), so a 16-bit element costs
+     about what an fp32 one does;
+   - copies (casts, clones, cat, gathers, zero fills: no arithmetic) read and write their
+     output's bytes at `memory_bandwidth_gbps`, the calibrated copy rate;
+   - outputs of ops with a FLOP formula (matmul, attention) are left out: their time, output
+     included, is the FLOP term.
 3. optimizer: foreach AdamW (torch/optim/adam.py `_multi_tensor_adam`, weight decay 0, no
    amsgrad) touches each element 19 times: lerp_(m, g) 3, mul_(v) 2, addcmul_(v, g, g) 4,
    sqrt 2, div_ 2, add_(eps) 2, addcdiv_(p, m, d) 4; gradient clipping (clip_grad_norm_: a norm
@@ -25,13 +34,14 @@ profile, measured by mode=calibrate, launcher/calibrate.py):
    (stage3.py `__add_grad_to_ipg_bucket`, `partition_grads`) and the master into the 16-bit
    partition. DDP with gradient_as_bucket_view writes gradients in its buckets: no copy.
 5. collectives, fully exposed on CPU (gloo's threads share the cores with compute): per call
-   `collective_latency_s`, plus the bus bytes at the calibrated bandwidth (all-gather at
-   `all_gather_bandwidth_gbps`: gloo's all-gather is several times slower than its all-reduce).
+   `collective_latency_s`, plus the bus bytes at the calibrated bandwidth of the call's collective
+   and dtype (`bus_gbps`: gloo's all-gather is several times slower than its all-reduce, and its
+   16-bit sums slower than fp32 ones).
    Calls: DDP one all-reduce per bucket (the first bucket holds 1 MiB,
    torch.distributed `_DEFAULT_FIRST_BUCKET_BYTES`, then `bucket_cap_mb`) and one buffer
    broadcast per forward (broadcast_buffers=True); DeepSpeed one reduction per
-   `reduce_bucket_size` elements; ZeRO-1/2 one all-gather per `allgather_bucket_size` elements
-   of the partition after the step; ZeRO-3 one all-gather per module with a parameter above
+   `reduce_bucket_size` elements (ZeRO-1/2: a reduce to the partition's owner, see `comm_s`);
+   ZeRO-1/2 one all-gather per `allgather_bucket_size` elements of the partition after the step; ZeRO-3 one all-gather per module with a parameter above
    `stage3_param_persistence_threshold` in forward (kept gathered for backward, as
    launcher/memory/zero3.py `gathered_param_bytes` finds by default); ZeRO 1-3 steps add two
    small all-reduces (ZERO_STEP_COLLECTIVES); the worker's loss all-reduce and per-step
@@ -46,6 +56,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from launcher.steptrace import OpClass
 from launcher.types import Cluster, Strategy, Workload
 
 GB = 1e9
@@ -71,7 +82,8 @@ class StepCounts:
     forward_ops: float
     backward_ops: float
     optimizer_ops: float  # storages the traced torch optimizer allocates (0 if not traced)
-    activation_bytes: float  # bytes the forward and backward allocate
+    activation_elements: float  # elements of elementwise-op outputs the forward and backward allocate
+    copy_bytes: float  # bytes of copy-op outputs the forward and backward allocate
     num_modules: float  # modules owning parameters
     gathered_modules: float  # ZeRO-3: modules with a parameter above the persistence threshold
     gathered_numel: float  # ZeRO-3: elements of the parameters above the persistence threshold
@@ -80,12 +92,20 @@ class StepCounts:
 
 def step_counts(traces, persistence_threshold: int) -> StepCounts:
     """Counts of a `TraceSet` extrapolated to full depth (launcher/steptrace.py `at_depth`)."""
-    def allocs(phase, nbytes=False):
+    def allocs(phase, op_class=None, elements=False):
         def fn(t):
             a, b = t.phases[phase]
             sel = (t.alloc >= a) & (t.alloc < b)
-            return float(t.nbytes[sel].sum()) if nbytes else float(sel.sum())
+            if op_class is not None:  # hand-built traces without op classes: all elementwise
+                sel &= (t.op_class == op_class) if t.op_class is not None else op_class == OpClass.ELEMENTWISE
+            if not elements:
+                return float(t.nbytes[sel].sum()) if op_class is not None else float(sel.sum())
+            size = t.itemsize[sel] if t.itemsize is not None else 4
+            return float((t.nbytes[sel] // size).sum())
         return traces.at_depth(fn)
+
+    def fwd_bwd(op_class, elements):
+        return allocs("forward", op_class, elements) + allocs("backward", op_class, elements)
 
     def modules(t, gathered_only=False):
         names = {}
@@ -96,40 +116,78 @@ def step_counts(traces, persistence_threshold: int) -> StepCounts:
 
     return StepCounts(
         forward_ops=allocs("forward"), backward_ops=allocs("backward"), optimizer_ops=allocs("optimizer"),
-        activation_bytes=allocs("forward", True) + allocs("backward", True),
+        activation_elements=fwd_bwd(OpClass.ELEMENTWISE, True), copy_bytes=fwd_bwd(OpClass.COPY, False),
         num_modules=traces.at_depth(modules), gathered_modules=traces.at_depth(lambda t: modules(t, True)),
         gathered_numel=traces.at_depth(lambda t: float(t.params.numel[t.params.numel > persistence_threshold].sum())),
         num_param_tensors=traces.at_depth(lambda t: float(len(t.params.numel))))
+
+
+def elementwise_elems_per_s(cluster: Cluster) -> float:
+    """Fresh elementwise output elements per second (term 2): the calibrated rate, else the memory
+    bandwidth over 12 bytes (an fp32 op reads two inputs and writes one output)."""
+    if cluster.elementwise_gelems_per_s:
+        return cluster.elementwise_gelems_per_s * 1e9
+    return cluster.memory_bandwidth_gbps * GB / 12
 
 
 def _call_s(num_calls: float, num_bytes: float, factor: float, gbps: float, cluster: Cluster) -> float:
     return num_calls * cluster.collective_latency_s + (num_bytes * factor / (gbps * GB) if gbps > 0 else 0.0)
 
 
+def bus_gbps(cluster: Cluster, collective: str, elem_bytes: int) -> float:
+    """Bus bandwidth of `collective` ('all_reduce' | 'all_gather' | 'reduce') on `elem_bytes`-byte
+    elements: the calibrated `collective_gbps` of that dtype (16-bit -> bf16, else fp32; gloo sums
+    bf16 slower than fp32) at its largest message size. With the per-call `collective_latency_s` this
+    is the alpha-beta (Hockney) model: a call costs the latency plus bytes / bandwidth, so the
+    bandwidth is the large-message one (calibrate.py takes the latency out of each timing).
+    Without a table, the profile's scalar bandwidths (reduce: the all-reduce's)."""
+    table = cluster.collective_gbps.get(f"{collective}_{'bf16' if elem_bytes == 2 else 'fp32'}")
+    if table:
+        return table[max(table)]
+    if collective == "all_gather":
+        return cluster.all_gather_bandwidth_gbps or cluster.intra_node_bandwidth_gbps
+    return cluster.intra_node_bandwidth_gbps
+
+
 def comm_s(counts: StepCounts, strategy: Strategy, cluster: Cluster, *, trainable: int, dp: int, accum: int,
            model_bytes: int, grad_bytes: int, ds, ddp) -> float:
-    """Exposed collective time per optimizer step on CPU (term 5)."""
+    """Exposed collective time per optimizer step on CPU (term 5), each call at the bandwidth of its
+    collective and dtype (`bus_gbps`)."""
     ring = (dp - 1) / dp if dp > 1 else 0.0
-    reduce_gbps = cluster.intra_node_bandwidth_gbps
-    gather_gbps = cluster.all_gather_bandwidth_gbps or reduce_gbps
     worker_s = WORKER_COLLECTIVES_PER_STEP * cluster.collective_latency_s
     if dp <= 1:
         return worker_s
     grads = trainable * grad_bytes
+
+    def calls_s(collective: str, num_calls: float, num_bytes: float, factor: float, elem_bytes: int) -> float:
+        return _call_s(num_calls, num_bytes, factor, bus_gbps(cluster, collective, elem_bytes), cluster)
+
     if strategy.backend == "ddp":
         calls = 1 + max(0, math.ceil((grads - DDP_FIRST_BUCKET_BYTES) / (ddp.bucket_cap_mb * MIB)))
-        return worker_s + _call_s(calls, grads, 2 * ring, reduce_gbps, cluster) + accum * cluster.collective_latency_s
+        return (worker_s + calls_s("all_reduce", calls, grads, 2 * ring, grad_bytes)
+                + accum * cluster.collective_latency_s)
     reduce_calls = math.ceil(trainable / ds.reduce_bucket_size)
     if strategy.zero_stage == 0:
-        return worker_s + _call_s(reduce_calls, grads, 2 * ring, reduce_gbps, cluster)
-    per_reduction = _call_s(reduce_calls, grads, ring, reduce_gbps, cluster)
+        return worker_s + calls_s("all_reduce", reduce_calls, grads, 2 * ring, grad_bytes)
+    if strategy.backend == "deepspeed" and strategy.zero_stage in (1, 2):
+        # DeepSpeed 0.19 reduces each bucket's slice to its partition's owner: one dist.reduce per
+        # (bucket, owner), dp - 1 buckets straddling two partitions (stage_1_and_2.py
+        # `average_tensor` -> `allreduce_no_retain` -> `allreduce_bucket`)
+        per_reduction = calls_s("reduce", reduce_calls + dp - 1, grads, ring, grad_bytes)
+    elif strategy.backend == "colossalai" and strategy.zero_stage == 1:
+        # LowLevelZero without partitioned gradients all-reduces each bucket (low_level_optim.py
+        # `_run_reduction`: dist.all_reduce when not partition_grad)
+        per_reduction = calls_s("all_reduce", reduce_calls, grads, 2 * ring, grad_bytes)
+    else:  # reduce-scatter volume (ZeRO-3 `reduce_scatter_coalesced`, LowLevelZero stage 2)
+        per_reduction = calls_s("all_reduce", reduce_calls, grads, ring, grad_bytes)
     worker_s += ZERO_STEP_COLLECTIVES * cluster.collective_latency_s
     reductions = accum if strategy.zero_stage >= 2 else 1
     if strategy.zero_stage in (1, 2):
         part = trainable / dp
-        gather = _call_s(math.ceil(part / ds.allgather_bucket_size), trainable * model_bytes, ring, gather_gbps, cluster)
+        gather = calls_s("all_gather", math.ceil(part / ds.allgather_bucket_size), trainable * model_bytes, ring,
+                         model_bytes)
         return worker_s + reductions * per_reduction + gather
-    gathered = _call_s(counts.gathered_modules, 0, 0, gather_gbps, cluster)  # bytes: zero3_gather_bytes
+    gathered = _call_s(counts.gathered_modules, 0, 0, 1.0, cluster)  # bytes: zero3_gather_bytes
     return worker_s + reductions * per_reduction + accum * gathered
 
 
@@ -157,11 +215,11 @@ def host_time_s(counts: StepCounts, strategy: Strategy, workload: Workload, clus
     accesses += CLIP_ACCESSES_PER_ELEM
     zero3_gather_bytes = (counts.gathered_numel * model_bytes * (dp - 1) / dp * accum
                           if strategy.zero_stage == 3 and strategy.backend == "deepspeed" else 0.0)
-    gather_gbps = cluster.all_gather_bandwidth_gbps or cluster.intra_node_bandwidth_gbps
+    gather_gbps = bus_gbps(cluster, "all_gather", model_bytes)
     return {
         "dispatch_s": (ops + hooks) * cluster.op_overhead_s,
-        "activation_traffic_s": counts.activation_bytes * accum / (
-            (cluster.elementwise_gbps or cluster.memory_bandwidth_gbps / 3) * GB),
+        "activation_traffic_s": accum * (counts.activation_elements / elementwise_elems_per_s(cluster)
+                                         + 2 * counts.copy_bytes / mem_bps),
         "optimizer_s": accesses * master_bytes * opt_numel / mem_bps,
         "framework_copy_s": framework_copy_bytes(strategy, trainable=trainable, dp=dp, accum=accum,
                                                  model_bytes=model_bytes, master_bytes=master_bytes) / mem_bps,

@@ -266,7 +266,8 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
     mem = memory.estimate_memory(traces, strategy, wl, cluster, config.deepspeed, config.ddp, dp,
                                  cai=config.colossalai)
     mem = replace(mem, notes=tuple(mem.notes) + trace_notes(trace_key(spec, strategy, wl, variant.lora)))
-    flops = {k: traces.at_depth(lambda t, k=k: t.flops[k]) for k in ("forward", "backward")}
+    flops = {k: traces.at_depth(lambda t, k=k: t.flops.get(k, 0.0))
+             for k in ("forward", "backward", "attention_forward", "attention_backward")}
     spd = speed.estimate_speed(flops, strategy, wl, cluster, num_params=numbers["num_params"],
                                num_trainable_params=numbers["num_trainable_params"], grad_accum_steps=accum,
                                dp_size=dp, ds=config.deepspeed, ddp=config.ddp, cai=config.colossalai,

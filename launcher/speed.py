@@ -6,7 +6,8 @@ Units: FLOPs, bytes, seconds; bandwidths in the config are GB/s = 1e9 bytes/s.
 Assumptions (each is used in exactly one function below, whose docstring gives its source):
 1. Compute runs at `peak_tflops[dtype] x matmul_efficiency` for every FLOP the tracer counted
    (FlopCounterMode counts matmul/attention FLOPs; elementwise work is folded into the
-   efficiency). The dtype follows the precision: 32-true -> fp32 (torch leaves
+   efficiency), except fused attention kernels, which run at the profile's measured
+   `attention_tflops[dtype]` when it has one (`flop_time_s`). The dtype follows the precision: 32-true -> fp32 (torch leaves
    `torch.backends.cuda.matmul.allow_tf32` False by default, so fp32 matmuls are not TF32),
    bf16-* -> bf16, 16-* -> fp16.
 2. Collectives are bandwidth-bound ring algorithms: an all-reduce of S bytes over n ranks moves
@@ -183,6 +184,16 @@ def offload_time_s(strategy: Strategy, cluster: Cluster, num_params: int, num_tr
     return copy_bytes / link_bytes_per_s + adam_s
 
 
+def flop_time_s(flops: Mapping[str, float], phase: str, cluster: Cluster, dtype: str) -> float:
+    """Seconds of one micro-batch's `phase` FLOPs (assumption 1): matmul FLOPs at peak x
+    matmul_efficiency, the part in fused attention kernels (`flops['attention_<phase>']`) at the
+    profile's measured `attention_tflops[dtype]` when it has one."""
+    peak = cluster.peak_tflops[dtype] * 1e12 * cluster.matmul_efficiency
+    attention = flops.get(f"attention_{phase}", 0.0)
+    attention_rate = cluster.attention_tflops.get(dtype, 0.0) * 1e12 or peak
+    return (flops[phase] - attention) / peak + attention / attention_rate
+
+
 def estimate_speed(flops_per_micro_batch: Mapping[str, float], strategy: Strategy, workload: Workload,
                    cluster: Cluster, *, num_params: int, grad_accum_steps: int, dp_size: int,
                    ds: DeepSpeedConfig, ddp: Optional[DDPConfig] = None,
@@ -209,9 +220,8 @@ def estimate_speed(flops_per_micro_batch: Mapping[str, float], strategy: Strateg
     if dtype not in cluster.peak_tflops:
         raise ConfigError(f"hardware {cluster.hardware!r} has no peak_tflops.{dtype}; "
                           f"add hardware.peak_tflops.{dtype}=<dense TFLOP/s>")
-    flops_per_s = cluster.peak_tflops[dtype] * 1e12 * cluster.matmul_efficiency
-    forward_s = flops_per_micro_batch["forward"] / flops_per_s
-    backward_s = flops_per_micro_batch["backward"] / flops_per_s
+    forward_s = flop_time_s(flops_per_micro_batch, "forward", cluster, dtype)
+    backward_s = flop_time_s(flops_per_micro_batch, "backward", cluster, dtype)
     compute_s = (forward_s + backward_s) * grad_accum_steps
 
     elem_bytes = grad_bytes_per_elem(strategy, workload.precision)
@@ -293,9 +303,10 @@ def colossalai_host_equivalent(strategy: Strategy, cai) -> tuple:
     """(strategy, bucket sizes) whose host terms a ColossalAI plugin shares: TorchDDPPlugin and
     HybridParallelPlugin's DP dimension without ZeRO are torch DDP (hybrid_parallel_plugin.py
     wraps the shard in DDP); LowLevelZeroPlugin and the ZeRO DP dimension copy gradients into
-    `reduce_bucket_size_in_m` buckets, reduce-scatter them and all-gather the updated partition
-    like DeepSpeed ZeRO-1/2 (colossalai/zero/low_level/low_level_optim.py `_run_reduction`,
-    `step`: one all-gather of the whole flat partition per bucket store)."""
+    `reduce_bucket_size_in_m` buckets, all-reduce (stage 1) or reduce-scatter (stage 2) them and
+    all-gather the updated partition like DeepSpeed ZeRO-1/2 (colossalai/zero/low_level/
+    low_level_optim.py `_run_reduction`, `step`: one all-gather of the whole flat partition per
+    bucket store); the strategy keeps its ColossalAI backend for launcher/host_time.py `comm_s`."""
     from types import SimpleNamespace
 
     from launcher.config import ColossalAIConfig
@@ -304,7 +315,7 @@ def colossalai_host_equivalent(strategy: Strategy, cai) -> tuple:
     if strategy.name == "cai_ddp" or strategy.zero_stage == 0:
         return Strategy("ddp", "ddp"), None
     bucket = int(cai.reduce_bucket_size_in_m * 1024 * 1024)
-    return (Strategy(f"zero{strategy.zero_stage}", "deepspeed", strategy.zero_stage),
+    return (Strategy(strategy.name, "colossalai", strategy.zero_stage),
             SimpleNamespace(reduce_bucket_size=bucket, allgather_bucket_size=bucket))
 
 

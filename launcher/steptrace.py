@@ -28,6 +28,15 @@ class Kind(IntEnum):
     BUFFER = 4  # module buffers (rotary inv_freq, causal masks registered as buffers), inputs
 
 
+class OpClass(IntEnum):
+    """How the speed model's host terms time the op that allocated a storage
+    (launcher/host_time.py, term 2)."""
+
+    ELEMENTWISE = 0  # arithmetic on each element (add, mul, exp, norms, softmax...)
+    COPY = 1  # moves or fills memory without arithmetic (casts, copies, cat, gathers, zeros)
+    FLOP = 2  # has a FLOP formula (matmul, attention): timed by the FLOP term
+
+
 class Role(IntEnum):
     """Where a parameter sits in the model (LLMem separates the body from the LM head)."""
 
@@ -70,11 +79,17 @@ class StepTrace:
     num_events: int
     phases: dict[str, tuple[int, int]]  # 'build', 'forward', 'backward', 'optimizer', 'zero_grad':
     #                                     [start_event, end_event) half-open
-    flops: dict[str, float] = field(default_factory=dict)  # 'forward', 'backward' FLOPs of this step
+    flops: dict[str, float] = field(default_factory=dict)  # 'forward', 'backward' FLOPs of this step;
+    #   'attention_forward', 'attention_backward': the part of each in fused attention kernels (sdpa)
     # Decoder-layer boundaries: 'forward' -> (first layer starts, last layer ends); 'backward' ->
     # (last layer's backward starts, first layer's backward ends). They cut a phase into
     # segments whose maxima are each linear in depth (`phase_segments`); empty if not recorded.
     layer_bounds: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Per row, for the speed model's host terms (launcher/host_time.py): the element size of the
+    # tensor that allocated the storage and the class of the op that produced it. None in
+    # hand-built traces.
+    itemsize: np.ndarray | None = None  # int8
+    op_class: np.ndarray | None = None  # int8 OpClass
 
     def live_curve(self, free: np.ndarray | None = None, mask: np.ndarray | None = None,
                    rounding: int = 1) -> np.ndarray:

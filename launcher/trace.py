@@ -37,12 +37,18 @@ from typing import Optional
 
 import numpy as np
 
-from launcher.steptrace import Kind, ParamTable, Role, StepTrace, TraceSet
+from launcher.steptrace import Kind, OpClass, ParamTable, Role, StepTrace, TraceSet
 
 OPTIMIZERS = ("adamw_foreach", "adamw_single", "adamw_fused", "sgd", "adafactor", "none")
 PARAM_DTYPES = ("float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 PHASES = ("build", "forward", "backward", "optimizer", "zero_grad")
+COPY_OPS = ("_to_copy", "copy", "clone", "cat", "stack", "index_select", "embedding", "gather",
+            "slice_backward", "select_backward", "constant_pad_nd", "repeat", "expand_copy",
+            "zeros", "zeros_like", "new_zeros", "full", "full_like", "new_full", "ones", "ones_like",
+            "empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided")
+"""aten ops that move or fill memory without arithmetic (OpClass.COPY); an empty allocation counts as
+the in-place op that fills it."""
 SGD_MOMENTUM = 0.9  # launcher/config.py: Optimizer 'sgd' = torch.optim.SGD (momentum 0.9)
 
 
@@ -127,14 +133,17 @@ class _Recorder:
 
     def __init__(self):
         self.nbytes: list[int] = []
+        self.itemsize: list[int] = []  # element size of the tensor the storage was first seen with
+        self.op_class: list[int] = []  # OpClass of the op that allocated the storage
         self.alloc: list[int] = []
         self.free: list[int] = []
         self.num_events = 0
         self.row_of: dict[int, int] = {}  # id(storage) -> row, while alive
         self.refs: dict[int, weakref.ref] = {}
         self.flops = 0.0
+        self.attention_flops = 0.0  # the part of `flops` in fused attention kernels (sdpa)
 
-    def see(self, storage) -> None:
+    def see(self, storage, itemsize: int, op_class: int = OpClass.ELEMENTWISE) -> None:
         sid = id(storage)
         if sid in self.row_of:
             return
@@ -143,6 +152,8 @@ class _Recorder:
             return
         row = len(self.nbytes)
         self.nbytes.append(nbytes)
+        self.itemsize.append(itemsize)
+        self.op_class.append(op_class)
         self.alloc.append(self.num_events)
         self.free.append(-1)
         self.num_events += 1
@@ -158,12 +169,13 @@ class _Recorder:
         """The row of `tensor`'s storage; a storage first seen here is allocated now."""
         st = tensor.untyped_storage()
         if create:
-            self.see(st)
+            self.see(st, tensor.element_size())
         return self.row_of[id(st)]
 
 
 def _dispatch_mode(recorder: _Recorder):
-    """A TorchDispatchMode that reports every output storage to `recorder` and counts FLOPs."""
+    """A TorchDispatchMode that reports every output storage to `recorder` (with its element size
+    and the OpClass of the op) and counts FLOPs."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
@@ -175,19 +187,25 @@ def _dispatch_mode(recorder: _Recorder):
     formulas[aten._scaled_dot_product_flash_attention_for_cpu] = sdpa_flop
     formulas[aten._scaled_dot_product_flash_attention_for_cpu_backward] = sdpa_backward_flop
     see, Tensor = recorder.see, torch.Tensor
+    copy_ops = {getattr(aten, name) for name in COPY_OPS if hasattr(aten, name)}
 
     class _Mode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             formula = formulas.get(func._overloadpacket)
             if formula is not None:
-                recorder.flops += formula(*args, **(kwargs or {}), out_val=out)
+                flops = formula(*args, **(kwargs or {}), out_val=out)
+                recorder.flops += flops
+                if "scaled_dot_product" in func._overloadpacket.__name__:
+                    recorder.attention_flops += flops
+            op_class = (OpClass.FLOP if formula is not None else
+                        OpClass.COPY if func._overloadpacket in copy_ops else OpClass.ELEMENTWISE)
             if isinstance(out, Tensor):
-                see(out.untyped_storage())
+                see(out.untyped_storage(), out.element_size(), op_class)
             else:
                 for t in tree_leaves(out):
                     if isinstance(t, Tensor):
-                        see(t.untyped_storage())
+                        see(t.untyped_storage(), t.element_size(), op_class)
             return out
 
     return _Mode()
@@ -296,15 +314,16 @@ def _run_step(key: TraceKey, rec: _Recorder, marks: dict, grads: dict):
             lambda p: grads.__setitem__(id(p), (rec.num_events, rec.row(p.grad))))
     opt = _make_optimizer(key, trainable) if key.optimizer != "none" else None
     ids = torch.randint(0, vocab_size, (key.micro_batch_size, key.seq_len))
-    marks["forward"], flops0 = rec.num_events, rec.flops
+    marks["forward"], flops0, attn0 = rec.num_events, rec.flops, rec.attention_flops
     with torch.autocast("cpu", dtype=getattr(torch, key.autocast_dtype or "float32"),
                         enabled=key.autocast_dtype is not None):
         loss = _loss(model, ids, key)
-    marks["backward"], flops1 = rec.num_events, rec.flops
+    marks["backward"], flops1, attn1 = rec.num_events, rec.flops, rec.attention_flops
     loss.backward()
     del loss
     marks["optimizer"] = rec.num_events
-    marks["flops"] = {"forward": flops1 - flops0, "backward": rec.flops - flops1}
+    marks["flops"] = {"forward": flops1 - flops0, "backward": rec.flops - flops1,
+                      "attention_forward": attn1 - attn0, "attention_backward": rec.attention_flops - attn1}
     if opt is not None:
         opt.step()
     marks["zero_grad"] = rec.num_events
@@ -480,7 +499,8 @@ def trace_step(key: TraceKey) -> StepTrace:
                      alloc=np.array(rec.alloc[:n], np.int64),
                      free=_canonical_free_order(free, num_events, cuts), kind=kind, ready=ready,
                      param=param, num_events=num_events, phases=phases, flops=marks["flops"],
-                     layer_bounds=bounds)
+                     layer_bounds=bounds, itemsize=np.array(rec.itemsize[:n], np.int8),
+                     op_class=np.array(rec.op_class[:n], np.int8))
 
 
 def _classify(model, opt, rec: _Recorder, n: int, params: ParamTable, param_rows, grads):
@@ -526,7 +546,7 @@ def at_micro_batch(ta: StepTrace, tb: StepTrace, micro_batch_size: int) -> StepT
             and ta.layer_bounds == tb.layer_bounds
             and len(ta.nbytes) == len(tb.nbytes) and all(
                 np.array_equal(getattr(ta, f), getattr(tb, f))
-                for f in ("alloc", "free", "kind", "ready", "param")))
+                for f in ("alloc", "free", "kind", "ready", "param", "itemsize", "op_class")))
     if not same or tb.micro_batch_size != ta.micro_batch_size + 1:
         raise ValueError("the two traces differ in their events or are not at m and m+1")
     k = micro_batch_size - ta.micro_batch_size
@@ -538,9 +558,9 @@ def at_micro_batch(ta: StepTrace, tb: StepTrace, micro_batch_size: int) -> StepT
 # ----------------------------------------------------------------------------- cache
 
 DEFAULT_CACHE_DIR = Path("~/.cache/launcher/traces").expanduser()
-_FORMAT_VERSION = 3  # bump when the trace's content or file layout changes
+_FORMAT_VERSION = 6  # bump when the trace's content or file layout changes
 _MEMO: dict[str, StepTrace] = {}
-_ROW_FIELDS = ("nbytes", "alloc", "free", "kind", "ready", "param")
+_ROW_FIELDS = ("nbytes", "alloc", "free", "kind", "ready", "param", "itemsize", "op_class")
 _PARAM_FIELDS = ("numel", "element_size", "trainable", "role", "layer", "tied_to")
 
 

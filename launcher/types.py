@@ -38,8 +38,10 @@ class Cluster:
     op_overhead_s: float = 5.0e-6  # host time per dispatched op (HardwareConfig.op_overhead_s)
     collective_latency_s: float = 2.0e-5  # fixed time per collective call
     all_gather_bandwidth_gbps: Optional[float] = None  # None = intra_node_bandwidth_gbps
-    elementwise_gbps: Optional[float] = None  # fresh elementwise output bytes/s; None = memory bandwidth / 3
+    elementwise_gelems_per_s: Optional[float] = None  # fresh elementwise output elements, 1e9/s; None = memory bandwidth / 12
     framework_overhead_s: dict = field(default_factory=dict)  # strategy -> [per step s, per param tensor s]
+    collective_gbps: dict = field(default_factory=dict)  # 'all_reduce_fp32'... -> {message MiB: bus GB/s}
+    attention_tflops: dict = field(default_factory=dict)  # dtype -> fused attention TFLOP/s; {} = peak x efficiency
 
     @property
     def gpus_per_node(self) -> int:

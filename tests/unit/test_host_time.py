@@ -13,8 +13,8 @@ CPU = Cluster(hardware="cpu", device="cpu", num_gpus=2, num_nodes=1, memory_byte
               peak_tflops={"fp32": 0.05, "bf16": 0.1}, matmul_efficiency=1.0, memory_bandwidth_gbps=6.0,
               intra_node_bandwidth_gbps=1.0, inter_node_bandwidth_gbps=1.0, host_link_bandwidth_gbps=6.0,
               sm_arch=0, cuda_context_bytes=0, op_overhead_s=2e-5, collective_latency_s=1e-4,
-              all_gather_bandwidth_gbps=0.2, elementwise_gbps=1.5)
-COUNTS = StepCounts(forward_ops=100, backward_ops=150, optimizer_ops=80, activation_bytes=30e6, num_modules=25,
+              all_gather_bandwidth_gbps=0.2, elementwise_gelems_per_s=1.5)
+COUNTS = StepCounts(forward_ops=100, backward_ops=150, optimizer_ops=80, activation_elements=30e6, copy_bytes=4e6, num_modules=25,
                     gathered_modules=2, gathered_numel=2e6)
 WL = Workload(seq_len=128, micro_batch_size=2, precision="32-true", optimizer="adamw_torch",
               gradient_checkpointing=False, attn_implementation="sdpa")
@@ -45,10 +45,31 @@ def test_dispatch_counts_every_micro_batch_and_zero3_hooks():
     assert extra == pytest.approx(terms(Z[3])["dispatch_s"] - terms(Z[2])["dispatch_s"])  # linear in modules
 
 
-def test_activation_traffic_at_the_elementwise_rate():
-    assert terms(DDP)["activation_traffic_s"] == pytest.approx(30e6 / (1.5 * GB))
-    no_rate = replace(CPU, elementwise_gbps=None)
-    assert terms(DDP, cluster=no_rate)["activation_traffic_s"] == pytest.approx(30e6 / (2.0 * GB))
+def test_activation_traffic_elementwise_elements_and_copied_bytes():
+    """Elementwise outputs at the elementwise rate; copies read and write their bytes at the memory
+    bandwidth; per micro-batch."""
+    copies_s = 2 * 4e6 / (6.0 * GB)
+    assert terms(DDP)["activation_traffic_s"] == pytest.approx(30e6 / 1.5e9 + copies_s)
+    assert terms(DDP, accum=3)["activation_traffic_s"] == pytest.approx(3 * (30e6 / 1.5e9 + copies_s))
+    # uncalibrated: an fp32 elementwise op moves 12 bytes per output element at the memory bandwidth
+    no_rate = replace(CPU, elementwise_gelems_per_s=None)
+    assert terms(DDP, cluster=no_rate)["activation_traffic_s"] == pytest.approx(30e6 * 12 / (6.0 * GB) + copies_s)
+
+
+def test_bus_bandwidth_of_the_dtype_at_the_largest_size():
+    """The 16-bit table for 2-byte elements, the fp32 one otherwise, at the largest measured size;
+    without a table the scalar link bandwidths; DDP's fp32 and ZeRO's bf16 reductions differ."""
+    from launcher.host_time import bus_gbps
+
+    table = {"all_reduce_fp32": {1.0: 0.8, 16.0: 1.6}, "all_reduce_bf16": {1.0: 0.4, 16.0: 0.6}}
+    c = replace(CPU, collective_gbps=table)
+    assert bus_gbps(c, "all_reduce", 4) == 1.6 and bus_gbps(c, "all_reduce", 2) == 0.6
+    assert bus_gbps(c, "all_gather", 4) == CPU.all_gather_bandwidth_gbps  # no all-gather table
+    assert bus_gbps(CPU, "all_reduce", 2) == CPU.intra_node_bandwidth_gbps
+    grads = 1e6 * 2  # a bf16 all-reduce of 2 MB, one call: latency + bus bytes at the bf16 rate
+    got = comm_s(COUNTS, Z[0], c, trainable=1_000_000, dp=2, accum=1, model_bytes=2, grad_bytes=2,
+                 ds=DeepSpeedConfig(reduce_bucket_size=10**7), ddp=DDPConfig())
+    assert got == pytest.approx((WORKER_COLLECTIVES_PER_STEP + 1) * 1e-4 + grads * 2 * 0.5 / (0.6 * GB))
 
 
 def test_ddp_buckets_and_latency():
@@ -65,7 +86,9 @@ def test_ddp_buckets_and_latency():
 def test_zero2_reduces_per_bucket_and_gathers_at_the_all_gather_rate():
     ds = DeepSpeedConfig(reduce_bucket_size=1_000_000, allgather_bucket_size=2_000_000)
     got = comm_s(COUNTS, Z[2], CPU, trainable=N, dp=2, accum=1, model_bytes=4, grad_bytes=4, ds=ds, ddp=DDPConfig())
-    reduce = 10 * 1e-4 + N * 4 * 0.5 / GB
+    # DeepSpeed reduces each bucket to its partition's owner: 10 buckets + 1 straddling the two
+    # partitions, (n-1)/n of the gradient at the (uncalibrated: all-reduce) bus bandwidth
+    reduce = 11 * 1e-4 + N * 4 * 0.5 / GB
     gather = 3 * 1e-4 + N * 4 * 0.5 / (0.2 * GB)  # ceil(5e6 / 2e6) = 3 calls
     step_calls = WORKER_COLLECTIVES_PER_STEP + ZERO_STEP_COLLECTIVES
     assert got == pytest.approx(step_calls * 1e-4 + reduce + gather)
@@ -117,4 +140,53 @@ def test_step_counts_from_a_real_trace_match_the_model():
     assert counts.gathered_modules == pytest.approx(len(big))
     assert counts.gathered_numel == pytest.approx(sum(p.numel() for m in big for p in m.parameters(recurse=False)
                                                       if p.numel() > 1000))
-    assert counts.forward_ops > 0 and counts.backward_ops > counts.forward_ops / 2 and counts.activation_bytes > 0
+    assert counts.forward_ops > 0 and counts.backward_ops > counts.forward_ops / 2 and counts.activation_elements > 0
+
+
+def test_op_classes_of_a_real_trace():
+    """The same step at fp32 and bf16: the FLOP-counted outputs (matmuls, attention) have the same
+    shapes, so the same elements, in 4- and (mostly) 2-byte storages; the step counts take the
+    elements of elementwise outputs and the bytes of copies of the forward and backward."""
+    from launcher.steptrace import OpClass
+    from launcher import trace
+    from launcher.host_time import step_counts
+
+    hf = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+          "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 128, "max_position_embeddings": 64,
+          "tie_word_embeddings": False, "use_cache": False}
+    key = trace.TraceKey(hf_config_json=trace.canonical_config_json(hf), num_layers=2, micro_batch_size=2,
+                         seq_len=16, optimizer="none")
+    fp32 = trace.cached_trace(key)
+    bf16 = trace.cached_trace(replace(key, param_dtype="bfloat16"))
+    mm32, mm16 = fp32.op_class == OpClass.FLOP, bf16.op_class == OpClass.FLOP
+    assert mm32.sum() == mm16.sum() > 4 * 2  # at least q, k, v, o per layer, forward
+    # bf16 matmul outputs are 2-byte; attention's logsumexp stays fp32 in both
+    assert set(fp32.itemsize[mm32]) == {4} and set(bf16.itemsize[mm16]) == {2, 4}
+    assert (fp32.nbytes[mm32] // 4).sum() == (bf16.nbytes[mm16] // bf16.itemsize[mm16]).sum()
+    traces = trace.trace_set(key, 2)  # depths 1 and 2, extrapolated to 2: the depth-2 trace's own count
+    fwd_bwd = (fp32.alloc >= fp32.phases["forward"][0]) & (fp32.alloc < fp32.phases["backward"][1])
+    elementwise, copies = fwd_bwd & (fp32.op_class == OpClass.ELEMENTWISE), fwd_bwd & (fp32.op_class == OpClass.COPY)
+    assert elementwise.any() and copies.any()
+    counts = step_counts(traces, 1000)
+    assert counts.activation_elements == pytest.approx((fp32.nbytes[elementwise] // fp32.itemsize[elementwise]).sum())
+    assert counts.copy_bytes == pytest.approx(fp32.nbytes[copies].sum())
+    # the bf16 model casts to fp32 for its norms and loss: more copies than the fp32 model
+    bf16_fwd_bwd = (bf16.alloc >= bf16.phases["forward"][0]) & (bf16.alloc < bf16.phases["backward"][1])
+    assert (bf16_fwd_bwd & (bf16.op_class == OpClass.COPY)).sum() > copies.sum()
+
+
+def test_zero12_gradient_reductions_follow_each_framework():
+    """DeepSpeed ZeRO-1/2 reduce each bucket slice to its partition's owner (the calibrated reduce
+    rate, one call per bucket and per extra partition); ColossalAI LowLevelZero all-reduces at
+    stage 1 and reduce-scatters at stage 2."""
+    c = replace(CPU, collective_gbps={"reduce_fp32": {64.0: 0.5}, "all_reduce_fp32": {64.0: 1.0},
+                                      "all_gather_fp32": {64.0: 0.25}})
+    ds = DeepSpeedConfig(reduce_bucket_size=10**6, allgather_bucket_size=10**6)
+    kw = dict(trainable=N, dp=2, accum=1, model_bytes=4, grad_bytes=4, ds=ds, ddp=DDPConfig())
+    grads = N * 4
+    fixed = (WORKER_COLLECTIVES_PER_STEP + ZERO_STEP_COLLECTIVES) * 1e-4
+    gather = 5 * 1e-4 + grads * 0.5 / (0.25 * GB)  # 5 M-element partition in 1 M-element buckets
+    assert comm_s(COUNTS, Z[2], c, **kw) == pytest.approx(fixed + 11 * 1e-4 + grads * 0.5 / (0.5 * GB) + gather)
+    cai1, cai2 = (Strategy(f"cai_zero{k}", "colossalai", zero_stage=k) for k in (1, 2))
+    assert comm_s(COUNTS, cai1, c, **kw) == pytest.approx(fixed + 10 * 1e-4 + grads * 2 * 0.5 / GB + gather)
+    assert comm_s(COUNTS, cai2, c, **kw) == pytest.approx(fixed + 10 * 1e-4 + grads * 0.5 / GB + gather)

@@ -51,6 +51,19 @@ def test_single_gpu_is_pure_compute():
     assert est.tokens_per_s == pytest.approx(2 * 3 * 512 / expected_compute_s)
 
 
+def test_attention_kernel_flops_at_the_measured_attention_rate():
+    """The fused-attention part of each phase runs at attention_tflops[dtype] (no efficiency
+    factor: a measured sustained rate); without one, at peak x efficiency like the matmuls."""
+    flops = {"forward": 1e12, "backward": 2e12, "attention_forward": 0.2e12, "attention_backward": 0.5e12}
+    ws = workload()
+    plain = estimate_speed(flops, DDP, ws, cluster(), num_params=1000, grad_accum_steps=1, dp_size=1,
+                           ds=DeepSpeedConfig())
+    assert plain.compute_s == pytest.approx(3e12 / (20.0e12 * 0.5))
+    slow = dataclasses.replace(cluster(), attention_tflops={"fp32": 1.0, "bf16": 50.0})
+    got = estimate_speed(flops, DDP, ws, slow, num_params=1000, grad_accum_steps=2, dp_size=1, ds=DeepSpeedConfig())
+    assert got.compute_s == pytest.approx(2 * ((3e12 - 0.7e12) / (20.0e12 * 0.5) + 0.7e12 / 1.0e12))
+
+
 def test_precision_selects_peak_dtype():
     bf16 = run(DDP, cluster(), precision="bf16-mixed")
     assert bf16.compute_s == pytest.approx(3e12 / (300e12 * 0.5))
