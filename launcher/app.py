@@ -165,6 +165,11 @@ def main(cfg: DictConfig) -> None:
         if mode == "plan" and config.hardware.device != "cpu":
             print("note: no local GPU: planning only. To train for real on CPU processes, "
                   "add hardware=cpu (e.g. scripts/demo)", file=sys.stderr)
+    from launcher.calibrate import other_machine_note
+
+    note = other_machine_note(config.hardware)
+    if note and config.report.name != "json":
+        print(note, file=sys.stderr)
     cluster = cluster_from(config.hardware, config.gpus, config.nodes)
     plan = planner.plan(config, spec, cluster)
     plan_dict = report.plan_to_dict(plan, cluster.memory_bytes)

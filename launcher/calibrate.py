@@ -6,15 +6,18 @@ share the machine (on CPU each gets `cores / processes` threads, as launcher/lau
 worker):
 - dense matmul throughput per dtype (fp32, bf16, fp16): n x n @ n x n for each size in
   `calibrate.matmul_sizes`, 2 n^3 FLOPs each; the best size's median rate is the sustained peak;
+- fused attention throughput per dtype: causal scaled_dot_product_attention forward + backward at
+  `ATTENTION_SHAPE`, FLOPs by the tracer's formulas;
 - per-op overhead: the median time of a tiny elementwise op on 8 elements (no arithmetic to
   speak of: dispatcher, allocation, Python call), forward and backward through autograd;
 - memory bandwidth: copying a 64 MiB tensor reads and writes it (2 x 64 MiB moved);
-- elementwise rate: bytes of fresh outputs per second of mul, add, silu, exp on 1M fp32 elements;
+- elementwise rate: elements of fresh outputs per second of mul, add, silu, exp on 1M fp32 elements;
 - all-reduce and all-gather bus bandwidth between the local ranks (gloo on CPU, nccl on GPU) for
-  each size in `calibrate.collective_mib`, with nccl-tests' bus-bandwidth convention
-  (doc/PERFORMANCE.md: all-reduce busbw = S/t x 2(n-1)/n, all-gather busbw = S/t x (n-1)/n with
-  S the gathered size), and the latency of a 4-byte all-reduce; the profile keeps the largest
-  size's bandwidth (`largest`);
+  each size in `calibrate.collective_mib` and for fp32 and bf16 tensors, with nccl-tests'
+  bus-bandwidth convention (doc/PERFORMANCE.md: all-reduce busbw = S/t x 2(n-1)/n, all-gather
+  busbw = S/t x (n-1)/n with S the gathered size), and the latency of a 4-byte all-reduce; the
+  profile keeps the whole table (`collective_gbps`) and, as the scalar link bandwidths, the
+  largest fp32 size's (`largest`);
 - on GPU, pinned host -> device copy bandwidth;
 - with `calibrate.frameworks=[...]`, each strategy's per-step framework overhead, by training a
   small model through the real worker (launcher/calibrate_frameworks.py).
@@ -69,6 +72,33 @@ def matmul_tflops(device: str, sizes: list[int], repeats: int, sync) -> dict:
     return out
 
 
+ATTENTION_SHAPE = (2, 8, 512, 64)
+"""(batch, heads, sequence, head dim) of the attention calibration: a 7B-class head dimension."""
+
+
+def attention_tflops(device: str, repeats: int, sync, shape=ATTENTION_SHAPE) -> dict:
+    """Sustained TFLOP/s of causal scaled_dot_product_attention forward + backward per dtype
+    (fp32, bf16), its FLOPs counted with the formulas the tracer uses (torch.utils.flop_counter
+    `sdpa_flop` / `sdpa_backward_flop`), so FLOPs / rate is the kernel's time."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    b, h, s, d = shape
+    flops = sdpa_flop_count((b, h, s, d), (b, h, s, d), (b, h, s, d)) + sdpa_backward_flop_count(
+        (b, h, s, d), (b, h, s, d), (b, h, s, d), (b, h, s, d))
+    out = {}
+    for key in ("fp32", "bf16"):
+        dtype = getattr(torch, DTYPES[key])
+        q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+
+        def step():
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+        out[key] = flops / timed_s(step, repeats, sync) / 1e12
+    return out
+
+
 def op_overhead_s(device: str, repeats: int, sync, num_ops: int = 2000) -> float:
     """Seconds per tiny op, forward and backward: a chain of `num_ops` multiplications of an
     8-element tensor, then backward (one more op per multiplication); 2 x num_ops ops."""
@@ -94,9 +124,10 @@ def memory_bandwidth_gbps(device: str, repeats: int, sync, num_bytes: int = 64 *
     return 2 * num_bytes / timed_s(lambda: dst.copy_(src), repeats, sync) / GB
 
 
-def elementwise_gbps(device: str, repeats: int, sync, numel: int = 1_000_000) -> float:
-    """GB/s of fresh outputs of a chain of elementwise ops (mul, add, silu, exp) on fp32 tensors
-    of `numel` elements, as a training step's activations are produced (allocation included)."""
+def elementwise_gelems_per_s(device: str, repeats: int, sync, numel: int = 1_000_000) -> float:
+    """1e9 elements/s of fresh outputs of a chain of elementwise ops (mul, add, silu, exp) on fp32
+    tensors of `numel` elements, as a training step's activations are produced (allocation
+    included)."""
     import torch
 
     x, y = torch.randn(numel, device=device), torch.randn(numel, device=device)
@@ -104,7 +135,7 @@ def elementwise_gbps(device: str, repeats: int, sync, numel: int = 1_000_000) ->
     def chain():
         torch.exp(torch.nn.functional.silu(x * y + x))
 
-    return 4 * numel * 4 / timed_s(chain, repeats, sync) / GB
+    return 4 * numel / timed_s(chain, repeats, sync) / 1e9
 
 
 def host_link_gbps(repeats: int, sync, num_bytes: int = 256 * 2**20) -> float:
@@ -115,24 +146,47 @@ def host_link_gbps(repeats: int, sync, num_bytes: int = 256 * 2**20) -> float:
     return num_bytes / timed_s(lambda: src.to("cuda", non_blocking=True), repeats, sync) / GB
 
 
+COLLECTIVE_DTYPES = ("fp32", "bf16")
+
+
+def alpha_beta_gbps(moved_bytes: float, t_s: float, latency_s: float) -> float:
+    """Bandwidth of a call that took `t_s` to move `moved_bytes` when each call also costs
+    `latency_s` (t = latency + bytes / bandwidth); a time within the latency's noise counts as
+    1% of itself, so the rate stays finite."""
+    return moved_bytes / max(t_s - latency_s, t_s / 100) / GB
+
+
 def collectives(device: str, sizes_mib: list[float], repeats: int, sync) -> dict:
-    """Bus bandwidth (GB/s) of all-reduce and all-gather per size, and the 4-byte all-reduce latency."""
+    """Bus bandwidth (GB/s) of all-reduce, all-gather and reduce (to one rank: how DeepSpeed ZeRO-1/2
+    reduce gradients) per dtype (fp32, bf16: gloo sums 16-bit elements at a different rate) and
+    message size, as {"all_reduce_fp32": {MiB: GB/s}, ...}, and the 4-byte all-reduce latency.
+    Reduce's bus bytes are (n-1)/n of the message, as a reduce-scatter's: what each rank sends. The alpha-beta model the speed model uses (a call costs
+    the latency plus bytes / bandwidth, launcher/host_time.py) takes the latency out of each
+    timing before dividing: bandwidth = bus bytes / (t - latency)."""
     import torch
     import torch.distributed as dist
 
     n = dist.get_world_size()
-    out = {"all_reduce_gbps": {}, "all_gather_gbps": {}}
-    for mib in sizes_mib:
-        num_bytes = int(mib * 2**20) // 4 * 4
-        t = torch.ones(num_bytes // 4, device=device)
-        t_s = timed_s(lambda: dist.all_reduce(t), repeats, sync)
-        out["all_reduce_gbps"][mib] = num_bytes / t_s * 2 * (n - 1) / n / GB
-        shard = torch.ones(num_bytes // 4 // n, device=device)
-        full = torch.empty(shard.numel() * n, device=device)
-        t_s = timed_s(lambda: dist.all_gather_into_tensor(full, shard), repeats, sync)
-        out["all_gather_gbps"][mib] = full.numel() * 4 / t_s * (n - 1) / n / GB
     tiny = torch.ones(1, device=device)
-    out["latency_s"] = timed_s(lambda: dist.all_reduce(tiny), max(repeats, 20), sync)
+    latency_s = timed_s(lambda: dist.all_reduce(tiny), max(repeats, 20), sync)
+    out = {"collective_gbps": {}, "latency_s": latency_s}
+    gbps = lambda moved, t_s: alpha_beta_gbps(moved, t_s, latency_s)  # noqa: E731
+    for key in COLLECTIVE_DTYPES:
+        dtype = getattr(torch, DTYPES[key])
+        size = torch.empty(0, dtype=dtype).element_size()
+        reduce, gather, to_one = {}, {}, {}
+        for mib in sizes_mib:
+            numel = int(mib * 2**20) // size // n * n
+            t = torch.ones(numel, device=device, dtype=dtype)
+            reduce[mib] = gbps(numel * size * 2 * (n - 1) / n, timed_s(lambda: dist.all_reduce(t), repeats, sync))
+            to_one[mib] = gbps(numel * size * (n - 1) / n, timed_s(lambda: dist.reduce(t, dst=0), repeats, sync))
+            shard = torch.ones(numel // n, device=device, dtype=dtype)
+            full = torch.empty(numel, device=device, dtype=dtype)
+            gather[mib] = gbps(numel * size * (n - 1) / n,
+                               timed_s(lambda: dist.all_gather_into_tensor(full, shard), repeats, sync))
+        out["collective_gbps"][f"all_reduce_{key}"] = reduce
+        out["collective_gbps"][f"all_gather_{key}"] = gather
+        out["collective_gbps"][f"reduce_{key}"] = to_one
     return out
 
 
@@ -148,9 +202,10 @@ def _rank_main(rank: int, world: int, port: int, device: str, threads: int, cal:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     reps = cal["repeats"]
     result = {"peak_tflops": matmul_tflops(device, cal["matmul_sizes"], reps, sync),
+              "attention_tflops": attention_tflops(device, reps, sync),
               "op_overhead_s": op_overhead_s(device, reps, sync),
               "memory_bandwidth_gbps": memory_bandwidth_gbps(device, reps, sync),
-              "elementwise_gbps": elementwise_gbps(device, reps, sync)}
+              "elementwise_gelems_per_s": elementwise_gelems_per_s(device, reps, sync)}
     if device == "cuda":
         result["host_link_bandwidth_gbps"] = host_link_gbps(reps, sync)
     dist.barrier()
@@ -182,16 +237,21 @@ def profile_from(base: dict, results: list[dict], device: str, num_ranks: int) -
     prof = dict(base)
     prof.update(
         name=f"{base['name']}-calibrated",
+        calibrated_on=cpu_model(),
         source=f"launcher mode=calibrate on {machine_name()}, {num_ranks} processes, {dt.date.today().isoformat()}",
         peak_tflops={**tflops, "tf32": base.get("peak_tflops", {}).get("tf32", tflops["fp32"])
                      if device == "cuda" else tflops["fp32"]},
         matmul_efficiency=1.0 if device == "cpu" else base.get("matmul_efficiency", 0.5),
+        attention_tflops={k: min(r["attention_tflops"][k] for r in results) for k in results[0]["attention_tflops"]},
         memory_bandwidth_gbps=worst("memory_bandwidth_gbps"),
-        elementwise_gbps=worst("elementwise_gbps"),
+        elementwise_gelems_per_s=worst("elementwise_gelems_per_s"),
         op_overhead_s=max(r["op_overhead_s"] for r in results),
         collective_latency_s=max(r["collectives"]["latency_s"] for r in results),
-        intra_node_bandwidth_gbps=min(largest(r["collectives"]["all_reduce_gbps"]) for r in results),
-        all_gather_bandwidth_gbps=min(largest(r["collectives"]["all_gather_gbps"]) for r in results),
+        intra_node_bandwidth_gbps=min(largest(r["collectives"]["collective_gbps"]["all_reduce_fp32"]) for r in results),
+        all_gather_bandwidth_gbps=min(largest(r["collectives"]["collective_gbps"]["all_gather_fp32"]) for r in results),
+        collective_gbps={key: {float(mib): min(r["collectives"]["collective_gbps"][key][mib] for r in results)
+                               for mib in by_size}
+                         for key, by_size in results[0]["collectives"]["collective_gbps"].items()},
     )
     if device == "cuda":
         prof["host_link_bandwidth_gbps"] = worst("host_link_bandwidth_gbps")
@@ -207,13 +267,26 @@ def largest(by_size: dict) -> float:
     return by_size[max(by_size, key=float)]
 
 
-def machine_name() -> str:
-    cpu = platform.processor() or "unknown CPU"
+def cpu_model() -> str:
+    """This machine's CPU model ('model name' in /proc/cpuinfo), else platform.processor()."""
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
-        pass
-    return f"{socket.gethostname()} ({cpu}, {os.cpu_count()} cores)"
+        return platform.processor() or "unknown CPU"
+
+
+def machine_name() -> str:
+    return f"{socket.gethostname()} ({cpu_model()}, {os.cpu_count()} cores)"
+
+
+def other_machine_note(hw) -> str | None:
+    """A note when a CPU profile measured on another CPU model plans for this machine's processes
+    (its speed numbers are that machine's), else None."""
+    if hw.device != "cpu" or not hw.calibrated_on or hw.calibrated_on == cpu_model():
+        return None
+    return (f"note: hardware={hw.name} was calibrated on {hw.calibrated_on}; this machine is {cpu_model()}: "
+            f"its speed estimates are the other machine's. Measure this one: "
+            f"python -m launcher mode=calibrate hardware=cpu gpus=2, then hardware=<the written profile>")
 
 
 def main(config: LauncherConfig, run_dir: Path) -> Path:
@@ -247,7 +320,8 @@ def main(config: LauncherConfig, run_dir: Path) -> Path:
 
         overhead, frameworks = measure_frameworks(
             list(config.calibrate.frameworks), list(config.calibrate.framework_depths),
-            config.calibrate.framework_timing_steps, path, config.gpus, run_dir / "frameworks")
+            config.calibrate.framework_timing_steps, path, config.gpus, run_dir / "frameworks",
+            rounds=config.calibrate.framework_rounds)
         add_to_profile(path, overhead)
         prof = yaml.safe_load(path.read_text())
     (run_dir / "calibration.json").write_text(

@@ -13,8 +13,12 @@ CONF_CPU = calibrate.Path(__file__).resolve().parents[2] / "conf" / "hardware" /
 
 def _results(ranks=2):
     return [{"peak_tflops": {"fp32": 0.05 + r, "bf16": 0.1, "fp16": 0.001}, "op_overhead_s": 1e-5 * (r + 1),
-             "memory_bandwidth_gbps": 8.0 + r, "elementwise_gbps": 1.0 + r,
-             "collectives": {"all_reduce_gbps": {1.0: 2.5, 16.0: 1.5 + r}, "all_gather_gbps": {1.0: 0.9, 64.0: 0.4},
+             "attention_tflops": {"fp32": 0.02 + r, "bf16": 0.01 + r},
+             "memory_bandwidth_gbps": 8.0 + r, "elementwise_gelems_per_s": 0.25 + r,
+             "collectives": {"collective_gbps": {"all_reduce_fp32": {1.0: 2.5, 16.0: 1.5 + r},
+                                                 "all_gather_fp32": {1.0: 0.9, 16.0: 0.4},
+                                                 "all_reduce_bf16": {1.0: 1.0 + r, 16.0: 0.8},
+                                                 "all_gather_bf16": {1.0: 0.3, 16.0: 0.2 + r}},
                              "latency_s": 5e-5 * (r + 1)}} for r in range(ranks)]
 
 
@@ -24,8 +28,12 @@ def test_profile_takes_the_slowest_rank_and_keeps_the_base():
     assert prof["name"] == "cpu-calibrated"
     assert prof["peak_tflops"] == {"fp32": 0.05, "bf16": 0.1, "fp16": 0.001, "tf32": 0.05}
     assert prof["op_overhead_s"] == 2e-5 and prof["collective_latency_s"] == 1e-4
+    assert prof["attention_tflops"] == {"fp32": 0.02, "bf16": 0.01}
     assert prof["intra_node_bandwidth_gbps"] == 1.5  # largest size (16 MiB) of the slower rank
     assert prof["all_gather_bandwidth_gbps"] == 0.4
+    # the whole table, per collective, dtype and size, of the slower rank
+    assert prof["collective_gbps"] == {"all_reduce_fp32": {1.0: 2.5, 16.0: 1.5}, "all_gather_fp32": {1.0: 0.9, 16.0: 0.4},
+                                       "all_reduce_bf16": {1.0: 1.0, 16.0: 0.8}, "all_gather_bf16": {1.0: 0.3, 16.0: 0.2}}
     assert prof["memory_bandwidth_gbps"] == 8.0 == prof["host_link_bandwidth_gbps"]
     assert prof["memory_bytes"] == base["memory_bytes"] and prof["device"] == "cpu"
 
@@ -79,13 +87,18 @@ def test_rates_follow_their_definitions(monkeypatch):
     assert tflops["fp32"] == pytest.approx(2 * 128**3 / 1e-3 / 1e12)
     assert calibrate.memory_bandwidth_gbps("cpu", 1, None, num_bytes=4 * 2**20) == pytest.approx(8 * 2**20 / 1e-3 / 1e9)
     assert calibrate.op_overhead_s("cpu", 1, None, num_ops=10) == pytest.approx(1e-3 / 20)
+    # causal sdpa forward 4 b h s^2 d FLOPs, backward 2.5x that (torch.utils.flop_counter), in 1 ms
+    b, h, s, d = 1, 2, 32, 8
+    assert calibrate.attention_tflops("cpu", 1, None, shape=(b, h, s, d)) == pytest.approx(
+        {"fp32": 3.5 * 4 * b * h * s * s * d / 1e-3 / 1e12, "bf16": 3.5 * 4 * b * h * s * s * d / 1e-3 / 1e12})
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29561")
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         out = calibrate.collectives("cpu", [1.0], 1, lambda: None)
     finally:
         dist.destroy_process_group()
-    assert out["all_reduce_gbps"][1.0] == 0.0 and out["all_gather_gbps"][1.0] == 0.0  # n = 1: nothing moves
+    assert set(out["collective_gbps"]) == {f"{c}_{d}" for c in ("all_reduce", "all_gather", "reduce") for d in ("fp32", "bf16")}
+    assert all(by_size == {1.0: 0.0} for by_size in out["collective_gbps"].values())  # n = 1: nothing moves
     assert out["latency_s"] == 1e-3
 
 
@@ -104,3 +117,23 @@ def test_calibrate_cli_writes_a_profile_that_plans(cli):
             "strategy=ddp", "training.micro_batch_size=1", "training.seq_len=32")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout[r.stdout.index("{"):])["hardware"] == "cpu-calibrated"
+
+
+def test_collective_bandwidth_leaves_out_the_per_call_latency():
+    assert calibrate.alpha_beta_gbps(1e9, 1.1, 0.1) == pytest.approx(1.0)
+    assert calibrate.alpha_beta_gbps(1e6, 1e-4, 2e-4) == pytest.approx(1e6 / 1e-6 / 1e9)  # within the noise
+
+
+def test_a_cpu_profile_from_another_cpu_model_is_noted():
+    from launcher.config import HardwareConfig
+
+    here = calibrate.cpu_model()
+    other = HardwareConfig(name="cpu", memory_bytes=1, device="cpu", calibrated_on="Some Other CPU")
+    note = calibrate.other_machine_note(other)
+    assert "Some Other CPU" in note and here in note and "mode=calibrate" in note
+    assert calibrate.other_machine_note(HardwareConfig(name="cpu", memory_bytes=1, device="cpu",
+                                                       calibrated_on=here)) is None
+    assert calibrate.other_machine_note(HardwareConfig(name="a100", memory_bytes=1, calibrated_on="x")) is None
+    # a profile written by mode=calibrate names this machine
+    prof = calibrate.profile_from(yaml.safe_load(CONF_CPU.read_text()), _results(), "cpu", 2)
+    assert prof["calibrated_on"] == here
