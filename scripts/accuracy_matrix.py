@@ -32,6 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from launcher.calibrate_frameworks import retime_s  # noqa: E402
+
 STRATEGIES = ["ddp", "zero0", "zero1", "zero2", "zero3"]
 PRECISIONS = ["32-true", "bf16-mixed", "bf16-true"]
 # (size label, models, seq_len, micro_batch_size): activations dominate the tiny models at seq
@@ -107,18 +109,31 @@ def overrides(c: dict, hardware: str) -> list[str]:
     return out + (SMALL_BUCKETS if c["buckets"] == "small" else [])
 
 
+TIMING_STEPS, WARMUP_STEPS = 20, 3
+"""Timed steps per timing pass and re-timing run, after the warm-up steps left out of the median: a
+tiny model's step is ~40 ms and single steps vary by ~10% on a quiet 2-core machine, so 20 steps
+put the median within ~2%."""
+
+
+def cell_env(c: dict) -> dict:
+    """Environment additions of a cell's processes: offline, and for ColossalAI on CPU its test
+    compatibility layer (ColossalAI's CPU accelerator leaves RNG and stream methods unimplemented)."""
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if c["strategy"] in COLOSSALAI_ON_CPU:
+        env.update(LAUNCHER_COLOSSALAI_TEST_PRELOAD="tests.colossalai_cpu_compat",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    return env
+
+
 def run_cell(c: dict, hardware: str, out_dir: Path) -> dict:
     """mode=measure in a subprocess; returns the cell with its measure.json."""
     run_dir = out_dir / "cells" / cell_id(c)
     shutil.rmtree(run_dir, ignore_errors=True)  # an interrupted attempt: launcher never reuses a run dir
     argv = [sys.executable, "-m", "launcher", *overrides(c, hardware), "mode=measure", "report=json",
+            f"measure.timing_steps={TIMING_STEPS}", f"measure.warmup_steps={WARMUP_STEPS}",
             f"hydra.run.dir={run_dir}"]
     start = time.perf_counter()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    if c["strategy"] in COLOSSALAI_ON_CPU:  # ColossalAI's CPU accelerator needs the test compatibility layer
-        env.update(LAUNCHER_COLOSSALAI_TEST_PRELOAD="tests.colossalai_cpu_compat",
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env=env)
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **cell_env(c)})
     wall_s = time.perf_counter() - start
     if proc.returncode != 0:
         return {**c, "id": cell_id(c), "error": proc.stderr.strip().splitlines()[-1:], "wall_s": wall_s}
@@ -150,7 +165,8 @@ def reestimate(r: dict, hardware: str) -> dict:
 
 # ---- ranking ---------------------------------------------------------------------------------
 
-def interleaved_times(results: list[dict], out_dir: Path, rounds: int, steps: int = 6, warmup: int = 2) -> None:
+def interleaved_times(results: list[dict], out_dir: Path, rounds: int, steps: int = TIMING_STEPS,
+                      warmup: int = WARMUP_STEPS) -> None:
     """Re-time every cell's timing pass (its RUN_DIR/timing/run.json, tracker off) round-robin
     inside its workload group, `rounds` times, and store the median over rounds of each run's
     median step time as `interleaved_step_s`: load from other processes then drifts over every
@@ -163,36 +179,13 @@ def interleaved_times(results: list[dict], out_dir: Path, rounds: int, steps: in
         times: dict[str, list[float]] = {r["id"]: [] for r in rows}
         for k in range(rounds):
             for r in (rows if k % 2 == 0 else rows[::-1]):
-                times[r["id"]].append(retime(out_dir / "cells" / r["id"], steps, warmup))
+                times[r["id"]].append(retime_s(out_dir / "cells" / r["id"], steps, warmup, 2, cell_env(r)))
         with open(out_dir / "results.jsonl", "a") as f:  # stored per group; later lines win on load
             for r in rows:
                 r["measure"]["time"]["interleaved_step_s"] = statistics.median(times[r["id"]])
                 r["measure"]["time"]["interleaved_runs"] = times[r["id"]]
                 f.write(json.dumps(r) + "\n")
                 print(f"interleaved {r['id']}: {[round(t, 4) for t in times[r['id']]]}", flush=True)
-
-
-def retime(cell_dir: Path, steps: int, warmup: int) -> float:
-    """One more timing run of a measured cell: torchrun on a copy of its timing/run.json."""
-    spec = json.loads((cell_dir / "timing" / "run.json").read_text())
-    retime_dir = cell_dir / "retime"
-    shutil.rmtree(retime_dir, ignore_errors=True)
-    retime_dir.mkdir()
-    spec.update(run_dir=str(retime_dir), max_steps=steps + warmup, log_every=steps + warmup)
-    (retime_dir / "run.json").write_text(json.dumps(spec))
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone", "-m",
-            "launcher.worker", str(retime_dir / "run.json")]
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2))}
-    for attempt in range(2):  # one retry: a transient failure (e.g. the rendezvous port taken) is not a result
-        proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
-        if proc.returncode == 0:
-            break
-        (retime_dir / "metrics.jsonl").unlink(missing_ok=True)
-    else:
-        raise RuntimeError(f"retiming {cell_dir} failed: {proc.stderr.strip().splitlines()[-3:]}")
-    step_s = [json.loads(line)["step_s"] for line in (retime_dir / "metrics.jsonl").read_text().splitlines()]
-    shutil.rmtree(retime_dir / "checkpoints", ignore_errors=True)
-    return statistics.median(step_s[warmup:])
 
 
 def measured_step(r: dict) -> float:
@@ -206,8 +199,12 @@ def group_key(r: dict) -> tuple:
 
 
 def spread(r: dict) -> float:
-    """Relative inter-quartile range of a cell's timed steps (its measurement noise)."""
+    """A cell's measurement noise, relative: the range of its re-timed medians when it was re-timed
+    (the noise of the number that is ranked), else the inter-quartile range of its timed steps."""
     t = r["measure"]["time"]
+    runs = t.get("interleaved_runs")
+    if runs and len(runs) > 1:
+        return (max(runs) - min(runs)) / statistics.median(runs)
     timed = sorted(t["step_s"][t["warmup_steps"]:])
     q1, q3 = timed[len(timed) // 4], timed[(3 * len(timed)) // 4]
     return (q3 - q1) / t["measured_step_s"]
@@ -216,7 +213,7 @@ def spread(r: dict) -> float:
 def ranking(results: list[dict]) -> dict:
     """Kendall tau between estimated and measured step times, pooled over the pairs of strategies
     inside each workload group (tau-a over all pairs, and over the pairs whose measured times differ
-    by more than the noisier cell's inter-quartile range: the others are ties within the noise),
+    by more than the noisier cell's spread: the others are ties within the noise),
     and per group the plan's choice (fastest estimated) against the fastest measured."""
     groups: dict[tuple, list[dict]] = {}
     for r in results:
@@ -324,10 +321,10 @@ def markdown(rows: list[dict], rank: dict, meta: dict) -> str:
     lines = [f"# Accuracy: estimates against real runs", "",
              f"Measured {meta['date']} on {meta['machine']}; {meta['cells']} of the {meta['selected']} selected cells, "
              f"{meta['wall_min']:.0f} min of runs "
-             f"(load average during the runs: {meta['load']}).", "",
+             f"(load average during the runs: {meta['load']}). {meta['profile']}", "",
              "Each cell: `python -m launcher ... mode=measure` on 2 CPU processes (gloo): a memory pass "
              "(3 steps, allocation tracker on; per-rank peak live tensor bytes) and a timing pass (tracker "
-             "off; median step time after 2 warm-up steps). Error = (estimated - measured) / measured.", "",
+             f"off; median of {TIMING_STEPS} steps after {WARMUP_STEPS} warm-up steps). Error = (estimated - measured) / measured.", "",
              "Reproduce:", "", "```", *meta["commands"], "```", "",
              "| model | strategy | precision | ckpt | attn | buckets | est. MiB (per rank if they differ) | meas. MiB (r0, r1) | mem err % (r0, r1) | est. step s | meas. step s | step err % | re-timed s | re-timed err % | note |",
              "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -346,7 +343,7 @@ def markdown(rows: list[dict], rank: dict, meta: dict) -> str:
               "## Speed ranking", "",
               f"Kendall tau between estimated and measured step time, over {rank['pairs']} strategy pairs "
               f"inside the workload groups: **{fmt(rank['kendall_tau'], '.3f')}**; over the {rank['resolved_pairs']} pairs "
-              f"whose measured times differ by more than the noisier cell's inter-quartile range: "
+              f"whose measured times differ by more than the noisier cell's spread (range of its re-timed medians): "
               f"**{fmt(rank['kendall_tau_resolved'], '.3f')}**. Plan's choice (fastest estimated) "
               f"vs the fastest measured: worst {fmt(rank['worst_chosen_slower_percent'], '.1f')}% slower "
               f"({'within' if rank['chosen_within_10_percent'] else 'NOT within'} 10% in every group).", "",
@@ -363,11 +360,30 @@ NOTES = [
     "- Memory is the peak of live tensor bytes per rank (allocation tracker on real tensors); the estimate is "
     "the same quantity from the traced step and the strategy's layout (`hardware=cpu`: no allocator rounding, "
     "no CUDA runtime terms). BLOOM has no sdpa attention in transformers: its cells run eager.",
-    "- Step time is measured with the tracker off on a shared 2-core machine; other jobs' load changes it by up "
-    "to 2x between cells, so the per-cell step error shows the model's absolute accuracy only roughly. The "
-    "ranking below uses `--interleave` re-timings where present: every strategy of a group re-run round-robin, "
-    "so load drift hits them alike; when any group was re-timed, only re-timed groups are ranked.",
+    "- Step time is measured with the tracker off. Single steps of a tiny model vary by ~10% even on a quiet "
+    "2-core machine, and any other process on it moves whole runs, so the ranking uses `--interleave` "
+    "re-timings where present: every strategy of a group re-run round-robin (every other round reversed), "
+    "each run's median kept, and the median over rounds ranked (`re-timed s`); when any group was re-timed, "
+    "only re-timed groups are ranked. A pair counts as resolved when the two cells differ by more than the "
+    "noisier cell's spread (the range of its re-timed medians).",
+    "- Step-time estimates hold for the machine the hardware profile was calibrated on: a CPU model with "
+    "other matmul, memory and gloo rates (e.g. AMX bf16 on recent Xeons) gets other numbers and often "
+    "another ranking, so the matrix is estimated with a profile `mode=calibrate` measured on the machine "
+    "that ran it.",
 ]
+
+
+def profile_line(hardware: str) -> str:
+    """Which hardware profile the step-time estimates use and where it was measured: a CPU
+    profile's speed numbers hold for the CPU model it was calibrated on."""
+    import yaml
+
+    from launcher.calibrate import cpu_model
+
+    path = Path(hardware) if hardware.endswith((".yaml", ".yml")) else ROOT / "conf" / "hardware" / f"{hardware}.yaml"
+    on = yaml.safe_load(path.read_text()).get("calibrated_on") or "an unrecorded machine"
+    same = "this machine" if on == cpu_model() else f"NOT this machine ({cpu_model()})"
+    return f"Step-time estimates use the hardware profile `{hardware}`, calibrated on {on}: {same}."
 
 
 def load_results(path: Path) -> list[dict]:
@@ -422,14 +438,17 @@ def main() -> int:
     meta = {"date": dt.date.today().isoformat(), "machine": machine(), "cells": len(results), "selected": len(cells),
             "wall_min": wall_min,
             "load": f"{min(load_values):.1f}-{max(load_values):.1f}" if load_values else "unknown",
+            "profile": profile_line(args.hardware),
             "commands": ["scripts/setup",
-                         "export LAUNCHER_COLOSSALAI_TEST_PRELOAD=tests.colossalai_cpu_compat   # ColossalAI cells on CPU",
+                         "export LAUNCHER_COLOSSALAI_TEST_PRELOAD=tests.colossalai_cpu_compat PYTHONPATH=$PWD"
+                         "   # ColossalAI cells on CPU",
                          ".venv/bin/python -m launcher mode=calibrate hardware=cpu gpus=2 "
-                         "'calibrate.frameworks=[ddp,zero0,zero1,zero2,zero3,cai_ddp,cai_zero1,cai_zero2,cai_tp]'"
-                         "   # optional: re-measure this machine, then copy the profile into conf/hardware/cpu.yaml",
-                         f".venv/bin/python scripts/accuracy_matrix.py{' --quick' if args.quick else ''} --interleave 2"
-                         f"{' --hardware ' + args.hardware if args.hardware != 'cpu' else ''}",
-                         ".venv/bin/python scripts/accuracy_matrix.py --reestimate   # estimates with the current code"]}
+                         "'calibrate.frameworks=[ddp,zero0,zero1,zero2,zero3,cai_ddp,cai_zero1,cai_zero2,cai_tp]' "
+                         "hydra.run.dir=runs/calibrate   # this machine's speed profile (~8 min)",
+                         f".venv/bin/python scripts/accuracy_matrix.py{' --quick' if args.quick else ''} "
+                         "--hardware runs/calibrate/hardware/cpu-calibrated.yaml --interleave 3",
+                         ".venv/bin/python scripts/accuracy_matrix.py --hardware runs/calibrate/hardware/cpu-calibrated.yaml "
+                         "--reestimate   # estimates with the current code"]}
     docs = Path(args.docs)
     docs.mkdir(parents=True, exist_ok=True)
     write_csv(rows, docs / "accuracy.csv")
