@@ -160,9 +160,10 @@ def collectives(device: str, sizes_mib: list[float], repeats: int, sync) -> dict
     """Bus bandwidth (GB/s) of all-reduce, all-gather and reduce (to one rank: how DeepSpeed ZeRO-1/2
     reduce gradients) per dtype (fp32, bf16: gloo sums 16-bit elements at a different rate) and
     message size, as {"all_reduce_fp32": {MiB: GB/s}, ...}, and the 4-byte all-reduce latency.
-    Reduce's bus bytes are (n-1)/n of the message, as a reduce-scatter's: what each rank sends. The alpha-beta model the speed model uses (a call costs
-    the latency plus bytes / bandwidth, launcher/host_time.py) takes the latency out of each
-    timing before dividing: bandwidth = bus bytes / (t - latency)."""
+    Reduce's bus bytes are (n-1)/n of the message, as a reduce-scatter's: what each rank sends.
+    The alpha-beta model the speed model uses (a call costs the latency plus bytes / bandwidth,
+    launcher/host_time.py) takes the latency out of each timing before dividing:
+    bandwidth = bus bytes / (t - latency)."""
     import torch
     import torch.distributed as dist
 

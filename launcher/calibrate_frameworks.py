@@ -32,6 +32,7 @@ import yaml
 
 CALIBRATION_MODEL = "tiny-llama"
 SEQ_LEN, MICRO_BATCH, WARMUP_STEPS = 16, 1, 3
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
 def cell_argv(strategy: str, depth: int, hardware_file: Path, gpus: int, steps: int, run_dir: Path) -> list[str]:
@@ -104,7 +105,7 @@ def measure_frameworks(strategies: list[str], depths: list[int], steps: int, pro
         times[p].append(measures[p]["time"]["measured_step_s"])
     for k in range(1, rounds):
         for p in (points if k % 2 == 0 else points[::-1]):
-            times[p].append(retime_s(out_dir / f"{p[0]}-d{p[1]}", steps, WARMUP_STEPS, gpus))
+            times[p].append(retime_s(out_dir / f"{p[0]}-d{p[1]}", steps, WARMUP_STEPS, gpus, OFFLINE_ENV))
     overhead, raw = {}, []
     for strategy in strategies:
         fit_points = []
@@ -125,9 +126,8 @@ def measure_frameworks(strategies: list[str], depths: list[int], steps: int, pro
 def _measure_point(strategy: str, depth: int, profile_file: Path, gpus: int, steps: int, out_dir: Path) -> dict:
     """measure.json of one `mode=measure` run of the calibration model."""
     run_dir = out_dir / f"{strategy}-d{depth}"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     proc = subprocess.run(cell_argv(strategy, depth, profile_file, gpus, steps, run_dir), capture_output=True,
-                          text=True, env=env)
+                          text=True, env={**os.environ, **OFFLINE_ENV})
     if proc.returncode != 0:
         from launcher.errors import ConfigError
 

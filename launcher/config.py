@@ -149,8 +149,8 @@ class HardwareConfig:
     """Bus bandwidth of all-gather when it differs from the all-reduce's (gloo's all-gather is
     several times slower), GB/s; null = intra_node_bandwidth_gbps. Measured by mode=calibrate."""
     collective_gbps: Dict[str, Dict[float, float]] = field(default_factory=dict)
-    """Measured bus bandwidth (GB/s) per collective and dtype (`all_reduce_fp32`, `all_reduce_bf16`,
-    `all_gather_fp32`, `all_gather_bf16`) by message size in MiB, the per-call latency taken out.
+    """Measured bus bandwidth (GB/s) per collective and dtype (`all_reduce_*`, `all_gather_*`,
+    `reduce_*` for fp32 and bf16) by message size in MiB, the per-call latency taken out.
     The CPU host terms use each dtype's largest-size bandwidth with `collective_latency_s` per call
     (gloo sums 16-bit tensors slower than fp32); absent = intra_node_bandwidth_gbps /
     all_gather_bandwidth_gbps. Measured by mode=calibrate."""
@@ -396,7 +396,7 @@ class CalibrateConfig:
     matmul_sizes: List[int] = field(default_factory=lambda: [256, 512, 1024])
     """Square matmul sizes n (n x n @ n x n); the profile keeps the best sustained rate."""
     collective_mib: List[float] = field(default_factory=lambda: [0.25, 1.0, 4.0, 16.0, 64.0])
-    """Message sizes of the all-reduce / all-gather runs between `gpus` local ranks."""
+    """Message sizes of the all-reduce / all-gather / reduce runs between `gpus` local ranks."""
     repeats: int = 20
     """Timed repetitions per measurement (the median is kept; on a 2-core machine fewer than ~20
     left the elementwise and small-message rates varying by 2x between runs)."""

@@ -7,7 +7,8 @@ Assumptions (each is used in exactly one function below, whose docstring gives i
 1. Compute runs at `peak_tflops[dtype] x matmul_efficiency` for every FLOP the tracer counted
    (FlopCounterMode counts matmul/attention FLOPs; elementwise work is folded into the
    efficiency), except fused attention kernels, which run at the profile's measured
-   `attention_tflops[dtype]` when it has one (`flop_time_s`). The dtype follows the precision: 32-true -> fp32 (torch leaves
+   `attention_tflops[dtype]` when it has one (`flop_time_s`). The dtype follows the precision:
+   32-true -> fp32 (torch leaves
    `torch.backends.cuda.matmul.allow_tf32` False by default, so fp32 matmuls are not TF32),
    bf16-* -> bf16, 16-* -> fp16.
 2. Collectives are bandwidth-bound ring algorithms: an all-reduce of S bytes over n ranks moves
