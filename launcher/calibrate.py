@@ -157,12 +157,12 @@ def alpha_beta_gbps(moved_bytes: float, t_s: float, latency_s: float) -> float:
 
 
 def collectives(device: str, sizes_mib: list[float], repeats: int, sync) -> dict:
-    """Bus bandwidth (GB/s) of all-reduce, all-gather and reduce (to one rank: how DeepSpeed ZeRO-1/2
-    reduce gradients) per dtype (fp32, bf16: gloo sums 16-bit elements at a different rate) and
-    message size, as {"all_reduce_fp32": {MiB: GB/s}, ...}, and the 4-byte all-reduce latency.
-    Reduce's bus bytes are (n-1)/n of the message, as a reduce-scatter's: what each rank sends.
-    The alpha-beta model the speed model uses (a call costs the latency plus bytes / bandwidth,
-    launcher/host_time.py) takes the latency out of each timing before dividing:
+    """Bus bandwidth (GB/s) of all-reduce, all-gather and reduce-scatter (how ZeRO-3 reduces
+    gradients) per dtype (fp32, bf16: gloo sums 16-bit elements at a different rate) and message
+    size, as {"all_reduce_fp32": {MiB: GB/s}, ...}, and the 4-byte all-reduce latency.
+    Reduce-scatter's bus bytes are (n-1)/n of the message (nccl-tests' convention). The alpha-beta model the speed model uses (a call costs the
+    latency plus bytes / bandwidth, launcher/host_time.py) takes the latency out of each timing
+    before dividing:
     bandwidth = bus bytes / (t - latency)."""
     import torch
     import torch.distributed as dist
@@ -175,19 +175,20 @@ def collectives(device: str, sizes_mib: list[float], repeats: int, sync) -> dict
     for key in COLLECTIVE_DTYPES:
         dtype = getattr(torch, DTYPES[key])
         size = torch.empty(0, dtype=dtype).element_size()
-        reduce, gather, to_one = {}, {}, {}
+        reduce, gather, scatter = {}, {}, {}
         for mib in sizes_mib:
             numel = int(mib * 2**20) // size // n * n
             t = torch.ones(numel, device=device, dtype=dtype)
             reduce[mib] = gbps(numel * size * 2 * (n - 1) / n, timed_s(lambda: dist.all_reduce(t), repeats, sync))
-            to_one[mib] = gbps(numel * size * (n - 1) / n, timed_s(lambda: dist.reduce(t, dst=0), repeats, sync))
             shard = torch.ones(numel // n, device=device, dtype=dtype)
             full = torch.empty(numel, device=device, dtype=dtype)
             gather[mib] = gbps(numel * size * (n - 1) / n,
                                timed_s(lambda: dist.all_gather_into_tensor(full, shard), repeats, sync))
+            scatter[mib] = gbps(numel * size * (n - 1) / n,
+                                timed_s(lambda: dist.reduce_scatter_tensor(shard, t), repeats, sync))
         out["collective_gbps"][f"all_reduce_{key}"] = reduce
         out["collective_gbps"][f"all_gather_{key}"] = gather
-        out["collective_gbps"][f"reduce_{key}"] = to_one
+        out["collective_gbps"][f"reduce_scatter_{key}"] = scatter
     return out
 
 

@@ -150,7 +150,7 @@ class HardwareConfig:
     several times slower), GB/s; null = intra_node_bandwidth_gbps. Measured by mode=calibrate."""
     collective_gbps: Dict[str, Dict[float, float]] = field(default_factory=dict)
     """Measured bus bandwidth (GB/s) per collective and dtype (`all_reduce_*`, `all_gather_*`,
-    `reduce_*` for fp32 and bf16) by message size in MiB, the per-call latency taken out.
+    `reduce_scatter_*` for fp32 and bf16) by message size in MiB, the per-call latency taken out.
     The CPU host terms use each dtype's largest-size bandwidth with `collective_latency_s` per call
     (gloo sums 16-bit tensors slower than fp32); absent = intra_node_bandwidth_gbps /
     all_gather_bandwidth_gbps. Measured by mode=calibrate."""

@@ -24,23 +24,40 @@ profile, measured by mode=calibrate, launcher/calibrate.py):
    amsgrad) touches each element 19 times: lerp_(m, g) 3, mul_(v) 2, addcmul_(v, g, g) 4,
    sqrt 2, div_ 2, add_(eps) 2, addcdiv_(p, m, d) 4; gradient clipping (clip_grad_norm_: a norm
    read, then a scaling mul_) 3 more. Over all trainable elements for DDP and ZeRO-0, over the
-   rank's partition for ZeRO-1/2/3, in the master dtype.
-4. framework copies (memory-bound): ZeRO-1/2 copy each gradient into the reduction bucket and
-   the bucket into the partition (deepspeed/runtime/zero/stage_1_and_2.py
-   `reduce_independent_p_g_buckets_and_remove_grads`, `copy_grads_in_partition`) and, after the
-   step, the master partition into the 16-bit flat buffer (`_optimizer_step` ->
-   `bit16_partitions[...].data.copy_`); ZeRO-0 flattens the gradients for the all-reduce and
-   copies them back (engine.py `allreduce_and_copy`); ZeRO-3 copies gradients into its partition
-   (stage3.py `__add_grad_to_ipg_bucket`, `partition_grads`) and the master into the 16-bit
-   partition. DDP with gradient_as_bucket_view writes gradients in its buckets: no copy.
+   rank's partition for ZeRO-1/2/3, in the master dtype; a 16-bit access costs what a 4-byte one
+   does (ATen computes 16-bit elementwise ops in fp32, term 2).
+4. framework passes over gradients and master weights:
+   - averaging: every reduction first divides the gradients it reduces by the data-parallel size,
+     one elementwise pass (torch DDP reducer.cpp `bucket_view.div_(div_factor_)`; DeepSpeed
+     stage_1_and_2.py `average_tensor` and engine.py `allreduce_bucket` `div_`);
+   - copies (memory-bound): ZeRO-1/2 copy each gradient into the reduction bucket, flatten each
+     bucket for its all-reduce and copy the result back (stage_1_and_2.py
+     `reduce_independent_p_g_buckets_and_remove_grads`, `allreduce_and_copy_with_multiple_ranks`),
+     copy it into the partition (`copy_grads_in_partition`), flatten the partition for the step and
+     cast it to the master dtype (`step`: `flatten(averaged_gradients)`, `.to(fp32)`) and, after
+     the step, copy the master partition into the 16-bit flat buffer; ZeRO-0 flattens the
+     gradients for the all-reduce and copies them back (engine.py `allreduce_and_copy`); ZeRO-3
+     copies gradients into its partition (stage3.py `__add_grad_to_ipg_bucket`, `partition_grads`),
+     flattens and casts it (`_prepare_fp32_grad_for_sub_group`) and copies the master into the
+     16-bit partition. DDP with gradient_as_bucket_view writes gradients in its buckets: no copy;
+   - DeepSpeed's 16-bit gradient checks: ZeRO-1/2 with bf16 (`bf16.check_grad_overflow`, default
+     true) or fp16 test the partition's gradients for inf/nan with an amax and an amin pass
+     (runtime/utils.py `has_inf_or_nan`), ZeRO-3 only with fp16 (stage3.py
+     `_overflow_check_and_loss_scale_update`); ZeRO 1-3 cast each 16-bit gradient to fp32 for the
+     norm (`get_grad_norm_direct`: `g.to(get_norm_dtype())`), a copy. ZeRO-0 with a 16-bit model
+     (fp16/unfused_optimizer.py `FP16_UnfusedOptimizer.step`) tests all gradients the same way
+     (`CheckOverflow.check`), casts them to fp32 for the norm (`get_weight_norm`: `p.data.float()`)
+     and for its fp32 masters, and copies the masters back into the 16-bit parameters.
+   Elementwise passes run at the elementwise rate, copies at the memory bandwidth.
 5. collectives, fully exposed on CPU (gloo's threads share the cores with compute): per call
    `collective_latency_s`, plus the bus bytes at the calibrated bandwidth of the call's collective
    and dtype (`bus_gbps`: gloo's all-gather is several times slower than its all-reduce, and its
    16-bit sums slower than fp32 ones).
    Calls: DDP one all-reduce per bucket (the first bucket holds 1 MiB,
    torch.distributed `_DEFAULT_FIRST_BUCKET_BYTES`, then `bucket_cap_mb`) and one buffer
-   broadcast per forward (broadcast_buffers=True); DeepSpeed one reduction per
-   `reduce_bucket_size` elements (ZeRO-1/2: a reduce to the partition's owner, see `comm_s`);
+   broadcast per forward (broadcast_buffers=True); DeepSpeed one all-reduce per
+   `reduce_bucket_size` elements (ZeRO-0 and ZeRO-1/2, see `comm_s`; ZeRO-3 a reduce-scatter, which
+   gloo runs several times slower than an all-reduce of the same bytes);
    ZeRO-1/2 one all-gather per `allgather_bucket_size` elements of the partition after the step; ZeRO-3 one all-gather per module with a parameter above
    `stage3_param_persistence_threshold` in forward (kept gathered for backward, as
    launcher/memory/zero3.py `gathered_param_bytes` finds by default); ZeRO 1-3 steps add two
@@ -135,12 +152,12 @@ def _call_s(num_calls: float, num_bytes: float, factor: float, gbps: float, clus
 
 
 def bus_gbps(cluster: Cluster, collective: str, elem_bytes: int) -> float:
-    """Bus bandwidth of `collective` ('all_reduce' | 'all_gather' | 'reduce') on `elem_bytes`-byte
+    """Bus bandwidth of `collective` ('all_reduce' | 'all_gather' | 'reduce_scatter') on `elem_bytes`-byte
     elements: the calibrated `collective_gbps` of that dtype (16-bit -> bf16, else fp32; gloo sums
     bf16 slower than fp32) at its largest message size. With the per-call `collective_latency_s` this
     is the alpha-beta (Hockney) model: a call costs the latency plus bytes / bandwidth, so the
     bandwidth is the large-message one (calibrate.py takes the latency out of each timing).
-    Without a table, the profile's scalar bandwidths (reduce: the all-reduce's)."""
+    Without a table, the profile's scalar bandwidths (reduce-scatter: the all-reduce's)."""
     table = cluster.collective_gbps.get(f"{collective}_{'bf16' if elem_bytes == 2 else 'fp32'}")
     if table:
         return table[max(table)]
@@ -169,17 +186,14 @@ def comm_s(counts: StepCounts, strategy: Strategy, cluster: Cluster, *, trainabl
     reduce_calls = math.ceil(trainable / ds.reduce_bucket_size)
     if strategy.zero_stage == 0:
         return worker_s + calls_s("all_reduce", reduce_calls, grads, 2 * ring, grad_bytes)
-    if strategy.backend == "deepspeed" and strategy.zero_stage in (1, 2):
-        # DeepSpeed 0.19 reduces each bucket's slice to its partition's owner: one dist.reduce per
-        # (bucket, owner), dp - 1 buckets straddling two partitions (stage_1_and_2.py
-        # `average_tensor` -> `allreduce_no_retain` -> `allreduce_bucket`)
-        per_reduction = calls_s("reduce", reduce_calls + dp - 1, grads, ring, grad_bytes)
-    elif strategy.backend == "colossalai" and strategy.zero_stage == 1:
-        # LowLevelZero without partitioned gradients all-reduces each bucket (low_level_optim.py
-        # `_run_reduction`: dist.all_reduce when not partition_grad)
+    if strategy.zero_stage in (1, 2) and (strategy.backend == "deepspeed" or strategy.zero_stage == 1):
+        # DeepSpeed 0.19 ZeRO-1/2 all-reduce each bucket and keep their partition's slice
+        # (`use_multi_rank_bucket_allreduce`, default true: stage_1_and_2.py `average_tensor` ->
+        # `allreduce_and_scatter` -> `allreduce_bucket` -> dist.all_reduce); LowLevelZero without
+        # partitioned gradients all-reduces each bucket (low_level_optim.py `_run_reduction`)
         per_reduction = calls_s("all_reduce", reduce_calls, grads, 2 * ring, grad_bytes)
-    else:  # reduce-scatter volume (ZeRO-3 `reduce_scatter_coalesced`, LowLevelZero stage 2)
-        per_reduction = calls_s("all_reduce", reduce_calls, grads, ring, grad_bytes)
+    else:  # ZeRO-3 `reduce_scatter_coalesced` (dist.reduce_scatter_tensor), LowLevelZero stage 2
+        per_reduction = calls_s("reduce_scatter", reduce_calls, grads, ring, grad_bytes)
     worker_s += ZERO_STEP_COLLECTIVES * cluster.collective_latency_s
     reductions = accum if strategy.zero_stage >= 2 else 1
     if strategy.zero_stage in (1, 2):
@@ -197,10 +211,36 @@ def framework_copy_bytes(strategy: Strategy, *, trainable: int, dp: int, accum: 
     if strategy.backend == "ddp":
         return 0.0
     part = trainable / dp
-    if strategy.zero_stage == 0:
-        return accum * 4 * model_bytes * trainable
+    if strategy.zero_stage == 0:  # + a 16-bit model's fp32 gradient casts and master copies back
+        return accum * 4 * model_bytes * trainable + (
+            2 * (model_bytes + master_bytes) * trainable if master_bytes != model_bytes else 0)
+    reductions = accum if strategy.zero_stage >= 2 else 1
     grads_in = accum * 2 * model_bytes * trainable + 2 * model_bytes * part
-    return grads_in + (master_bytes + model_bytes) * part
+    if strategy.backend == "deepspeed" and strategy.zero_stage in (1, 2):
+        grads_in += reductions * 4 * model_bytes * trainable  # flatten each bucket, copy the result back
+    flat_partition = 2 * model_bytes * part + ((model_bytes + master_bytes) * part if master_bytes != model_bytes else 0)
+    if strategy.backend != "deepspeed":
+        flat_partition = 0.0
+    return grads_in + flat_partition + (master_bytes + model_bytes) * part
+
+
+def gradient_passes(strategy: Strategy, workload: Workload, *, trainable: int, dp: int, accum: int,
+                    model_bytes: int) -> tuple[float, float]:
+    """(elements of elementwise passes, bytes of copies) over gradients per optimizer step beyond
+    `framework_copy_bytes`: the averaging division of every reduction, DeepSpeed's 16-bit
+    overflow test and fp32 norm cast (term 4)."""
+    if dp <= 1:
+        return 0.0, 0.0
+    reductions = accum if strategy.backend == "ddp" or strategy.zero_stage >= 2 else 1
+    elements = reductions * float(trainable)
+    copies = 0.0
+    if strategy.backend == "deepspeed" and model_bytes == 2:
+        checked = trainable / dp if strategy.zero_stage >= 1 else float(trainable)
+        fp16 = workload.precision.startswith("16")
+        if strategy.zero_stage in (0, 1, 2) or fp16:
+            elements += 2 * checked  # has_inf_or_nan: amax and amin
+        copies += (model_bytes + 4) * checked  # norm: cast to fp32
+    return elements, copies
 
 
 def host_time_s(counts: StepCounts, strategy: Strategy, workload: Workload, cluster: Cluster, *, trainable: int,
@@ -208,6 +248,7 @@ def host_time_s(counts: StepCounts, strategy: Strategy, workload: Workload, clus
                 ds, ddp) -> dict:
     """Seconds per optimizer step of each host term (module docstring), for CPU processes."""
     mem_bps = cluster.memory_bandwidth_gbps * GB
+    elem_s = elementwise_elems_per_s(cluster)
     ops = (counts.forward_ops + counts.backward_ops) * accum + counts.optimizer_ops
     hooks = 4 * counts.num_modules * ZERO3_HOOK_OPS * accum if strategy.zero_stage == 3 and strategy.backend == "deepspeed" else 0.0
     opt_numel = trainable if strategy.backend == "ddp" or strategy.zero_stage == 0 else trainable / dp
@@ -216,13 +257,15 @@ def host_time_s(counts: StepCounts, strategy: Strategy, workload: Workload, clus
     zero3_gather_bytes = (counts.gathered_numel * model_bytes * (dp - 1) / dp * accum
                           if strategy.zero_stage == 3 and strategy.backend == "deepspeed" else 0.0)
     gather_gbps = bus_gbps(cluster, "all_gather", model_bytes)
+    pass_elements, pass_copies = gradient_passes(strategy, workload, trainable=trainable, dp=dp, accum=accum,
+                                                 model_bytes=model_bytes)
     return {
         "dispatch_s": (ops + hooks) * cluster.op_overhead_s,
-        "activation_traffic_s": accum * (counts.activation_elements / elementwise_elems_per_s(cluster)
-                                         + 2 * counts.copy_bytes / mem_bps),
-        "optimizer_s": accesses * master_bytes * opt_numel / mem_bps,
-        "framework_copy_s": framework_copy_bytes(strategy, trainable=trainable, dp=dp, accum=accum,
-                                                 model_bytes=model_bytes, master_bytes=master_bytes) / mem_bps,
+        "activation_traffic_s": accum * (counts.activation_elements / elem_s + 2 * counts.copy_bytes / mem_bps),
+        "optimizer_s": accesses * max(master_bytes, 4) * opt_numel / mem_bps,
+        "framework_copy_s": (framework_copy_bytes(strategy, trainable=trainable, dp=dp, accum=accum,
+                                                  model_bytes=model_bytes, master_bytes=master_bytes) + pass_copies)
+        / mem_bps + pass_elements / elem_s,
         "comm_s": comm_s(counts, strategy, cluster, trainable=trainable, dp=dp, accum=accum, model_bytes=model_bytes,
                          grad_bytes=grad_bytes, ds=ds, ddp=ddp)
         + (zero3_gather_bytes / (gather_gbps * GB) if zero3_gather_bytes else 0.0),

@@ -15,6 +15,7 @@ def _results(ranks=2):
     return [{"peak_tflops": {"fp32": 0.05 + r, "bf16": 0.1, "fp16": 0.001}, "op_overhead_s": 1e-5 * (r + 1),
              "attention_tflops": {"fp32": 0.02 + r, "bf16": 0.01 + r},
              "memory_bandwidth_gbps": 8.0 + r, "elementwise_gelems_per_s": 0.25 + r,
+
              "collectives": {"collective_gbps": {"all_reduce_fp32": {1.0: 2.5, 16.0: 1.5 + r},
                                                  "all_gather_fp32": {1.0: 0.9, 16.0: 0.4},
                                                  "all_reduce_bf16": {1.0: 1.0 + r, 16.0: 0.8},
@@ -97,7 +98,7 @@ def test_rates_follow_their_definitions(monkeypatch):
         out = calibrate.collectives("cpu", [1.0], 1, lambda: None)
     finally:
         dist.destroy_process_group()
-    assert set(out["collective_gbps"]) == {f"{c}_{d}" for c in ("all_reduce", "all_gather", "reduce") for d in ("fp32", "bf16")}
+    assert set(out["collective_gbps"]) == {f"{c}_{d}" for c in ("all_reduce", "all_gather", "reduce_scatter") for d in ("fp32", "bf16")}
     assert all(by_size == {1.0: 0.0} for by_size in out["collective_gbps"].values())  # n = 1: nothing moves
     assert out["latency_s"] == 1e-3
 
@@ -137,3 +138,4 @@ def test_a_cpu_profile_from_another_cpu_model_is_noted():
     # a profile written by mode=calibrate names this machine
     prof = calibrate.profile_from(yaml.safe_load(CONF_CPU.read_text()), _results(), "cpu", 2)
     assert prof["calibrated_on"] == here
+

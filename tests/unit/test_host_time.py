@@ -83,12 +83,12 @@ def test_ddp_buckets_and_latency():
     assert 3 == 1 + -(-(grads - MIB) // (25 * MIB))
 
 
-def test_zero2_reduces_per_bucket_and_gathers_at_the_all_gather_rate():
+def test_zero2_all_reduces_per_bucket_and_gathers_at_the_all_gather_rate():
     ds = DeepSpeedConfig(reduce_bucket_size=1_000_000, allgather_bucket_size=2_000_000)
     got = comm_s(COUNTS, Z[2], CPU, trainable=N, dp=2, accum=1, model_bytes=4, grad_bytes=4, ds=ds, ddp=DDPConfig())
-    # DeepSpeed reduces each bucket to its partition's owner: 10 buckets + 1 straddling the two
-    # partitions, (n-1)/n of the gradient at the (uncalibrated: all-reduce) bus bandwidth
-    reduce = 11 * 1e-4 + N * 4 * 0.5 / GB
+    # DeepSpeed 0.19 all-reduces each of the 10 buckets (use_multi_rank_bucket_allreduce):
+    # 2 (n-1)/n of the gradient at the all-reduce bus bandwidth
+    reduce = 10 * 1e-4 + N * 4 * 2 * 0.5 / GB
     gather = 3 * 1e-4 + N * 4 * 0.5 / (0.2 * GB)  # ceil(5e6 / 2e6) = 3 calls
     step_calls = WORKER_COLLECTIVES_PER_STEP + ZERO_STEP_COLLECTIVES
     assert got == pytest.approx(step_calls * 1e-4 + reduce + gather)
@@ -176,17 +176,47 @@ def test_op_classes_of_a_real_trace():
 
 
 def test_zero12_gradient_reductions_follow_each_framework():
-    """DeepSpeed ZeRO-1/2 reduce each bucket slice to its partition's owner (the calibrated reduce
-    rate, one call per bucket and per extra partition); ColossalAI LowLevelZero all-reduces at
-    stage 1 and reduce-scatters at stage 2."""
-    c = replace(CPU, collective_gbps={"reduce_fp32": {64.0: 0.5}, "all_reduce_fp32": {64.0: 1.0},
+    """DeepSpeed 0.19 ZeRO-1/2 all-reduce each bucket (`use_multi_rank_bucket_allreduce`, its
+    default); ColossalAI LowLevelZero all-reduces at stage 1 and reduce-scatters at stage 2, at the
+    calibrated reduce-scatter rate, as ZeRO-3 does."""
+    c = replace(CPU, collective_gbps={"all_reduce_fp32": {64.0: 1.0}, "reduce_scatter_fp32": {64.0: 0.4},
                                       "all_gather_fp32": {64.0: 0.25}})
     ds = DeepSpeedConfig(reduce_bucket_size=10**6, allgather_bucket_size=10**6)
     kw = dict(trainable=N, dp=2, accum=1, model_bytes=4, grad_bytes=4, ds=ds, ddp=DDPConfig())
     grads = N * 4
     fixed = (WORKER_COLLECTIVES_PER_STEP + ZERO_STEP_COLLECTIVES) * 1e-4
     gather = 5 * 1e-4 + grads * 0.5 / (0.25 * GB)  # 5 M-element partition in 1 M-element buckets
-    assert comm_s(COUNTS, Z[2], c, **kw) == pytest.approx(fixed + 11 * 1e-4 + grads * 0.5 / (0.5 * GB) + gather)
+    assert comm_s(COUNTS, Z[2], c, **kw) == pytest.approx(fixed + 10 * 1e-4 + grads * 2 * 0.5 / GB + gather)
     cai1, cai2 = (Strategy(f"cai_zero{k}", "colossalai", zero_stage=k) for k in (1, 2))
     assert comm_s(COUNTS, cai1, c, **kw) == pytest.approx(fixed + 10 * 1e-4 + grads * 2 * 0.5 / GB + gather)
-    assert comm_s(COUNTS, cai2, c, **kw) == pytest.approx(fixed + 10 * 1e-4 + grads * 0.5 / GB + gather)
+    assert comm_s(COUNTS, cai2, c, **kw) == pytest.approx(fixed + 10 * 1e-4 + grads * 0.5 / (0.4 * GB) + gather)
+    z3 = comm_s(COUNTS, Z[3], c, **kw) - COUNTS.gathered_modules * 1e-4
+    assert z3 == pytest.approx(fixed + 10 * 1e-4 + grads * 0.5 / (0.4 * GB))
+
+
+def test_sixteen_bit_optimizer_elements_cost_what_fp32_ones_do():
+    """ATen computes 16-bit elementwise ops in fp32: AdamW over bf16 masters takes the fp32 time."""
+    fp32 = host_time_s(COUNTS, DDP, WL, CPU, trainable=N, num_params=N, dp=2, accum=1, model_bytes=4,
+                       master_bytes=4, grad_bytes=4, ds=DeepSpeedConfig(), ddp=DDPConfig())
+    bf16 = host_time_s(COUNTS, DDP, WL, CPU, trainable=N, num_params=N, dp=2, accum=1, model_bytes=2,
+                       master_bytes=2, grad_bytes=2, ds=DeepSpeedConfig(), ddp=DDPConfig())
+    assert bf16["optimizer_s"] == fp32["optimizer_s"]
+
+
+def test_gradient_passes_average_every_reduction_and_check_deepspeed_16_bit_partitions():
+    """One division pass over the reduced gradients per reduction for every backend; DeepSpeed
+    ZeRO-1/2 with bf16 add an amax and an amin pass over the partition and an fp32 cast for the
+    norm, ZeRO-0 the same over all gradients; ZeRO-3 tests for overflow only with fp16; fp32
+    gradients need no cast."""
+    from launcher.host_time import gradient_passes
+
+    bf16 = replace(WL, precision="bf16-mixed")
+    kw = dict(trainable=N, dp=2, accum=3)
+    assert gradient_passes(DDP, bf16, model_bytes=4, **kw) == (3 * N, 0.0)
+    assert gradient_passes(Z[1], WL, model_bytes=4, **kw) == (N, 0.0)  # ZeRO-1 reduces once per step
+    assert gradient_passes(Z[0], bf16, model_bytes=2, **kw) == (N + 2 * N, 6 * N)
+    assert gradient_passes(Z[2], bf16, model_bytes=2, **kw) == (3 * N + 2 * N / 2, 6 * N / 2)
+    assert gradient_passes(Z[3], bf16, model_bytes=2, **kw) == (3 * N, 6 * N / 2)
+    assert gradient_passes(Z[3], replace(WL, precision="16-mixed"), model_bytes=2, **kw) == (3 * N + N, 6 * N / 2)
+    assert gradient_passes(Z[2], bf16, model_bytes=2, trainable=N, dp=1, accum=1) == (0.0, 0.0)
+
