@@ -231,7 +231,8 @@ def gradient_passes(strategy: Strategy, workload: Workload, *, trainable: int, d
     overflow test and fp32 norm cast (term 4)."""
     if dp <= 1:
         return 0.0, 0.0
-    reductions = accum if strategy.backend == "ddp" or strategy.zero_stage >= 2 else 1
+    # DDP (no_sync until the last micro-batch), ZeRO-0 and ZeRO-1 reduce once per step
+    reductions = accum if strategy.backend != "ddp" and strategy.zero_stage >= 2 else 1
     elements = reductions * float(trainable)
     copies = 0.0
     if strategy.backend == "deepspeed" and model_bytes == 2:
