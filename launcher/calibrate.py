@@ -160,9 +160,9 @@ def collectives(device: str, sizes_mib: list[float], repeats: int, sync) -> dict
     """Bus bandwidth (GB/s) of all-reduce, all-gather and reduce-scatter (how ZeRO-3 reduces
     gradients) per dtype (fp32, bf16: gloo sums 16-bit elements at a different rate) and message
     size, as {"all_reduce_fp32": {MiB: GB/s}, ...}, and the 4-byte all-reduce latency.
-    Reduce-scatter's bus bytes are (n-1)/n of the message (nccl-tests' convention). The alpha-beta model the speed model uses (a call costs the
-    latency plus bytes / bandwidth, launcher/host_time.py) takes the latency out of each timing
-    before dividing:
+    Reduce-scatter's bus bytes are (n-1)/n of the message (nccl-tests' convention). The
+    alpha-beta model the speed model uses (a call costs the latency plus bytes / bandwidth,
+    launcher/host_time.py) takes the latency out of each timing before dividing:
     bandwidth = bus bytes / (t - latency)."""
     import torch
     import torch.distributed as dist

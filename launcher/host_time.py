@@ -166,6 +166,12 @@ def bus_gbps(cluster: Cluster, collective: str, elem_bytes: int) -> float:
     return cluster.intra_node_bandwidth_gbps
 
 
+def reductions_per_step(strategy: Strategy, accum: int) -> int:
+    """Gradient reductions per optimizer step: DDP (no_sync until the last micro-batch), ZeRO-0 and
+    ZeRO-1 reduce once; ZeRO-2/3 partition gradients, so they reduce every micro-batch."""
+    return accum if strategy.backend != "ddp" and strategy.zero_stage >= 2 else 1
+
+
 def comm_s(counts: StepCounts, strategy: Strategy, cluster: Cluster, *, trainable: int, dp: int, accum: int,
            model_bytes: int, grad_bytes: int, ds, ddp) -> float:
     """Exposed collective time per optimizer step on CPU (term 5), each call at the bandwidth of its
@@ -195,7 +201,7 @@ def comm_s(counts: StepCounts, strategy: Strategy, cluster: Cluster, *, trainabl
     else:  # ZeRO-3 `reduce_scatter_coalesced` (dist.reduce_scatter_tensor), LowLevelZero stage 2
         per_reduction = calls_s("reduce_scatter", reduce_calls, grads, ring, grad_bytes)
     worker_s += ZERO_STEP_COLLECTIVES * cluster.collective_latency_s
-    reductions = accum if strategy.zero_stage >= 2 else 1
+    reductions = reductions_per_step(strategy, accum)
     if strategy.zero_stage in (1, 2):
         part = trainable / dp
         gather = calls_s("all_gather", math.ceil(part / ds.allgather_bucket_size), trainable * model_bytes, ring,
@@ -211,17 +217,15 @@ def framework_copy_bytes(strategy: Strategy, *, trainable: int, dp: int, accum: 
     if strategy.backend == "ddp":
         return 0.0
     part = trainable / dp
+    cast = model_bytes + master_bytes if master_bytes != model_bytes else 0  # bytes per element of a dtype cast
     if strategy.zero_stage == 0:  # + a 16-bit model's fp32 gradient casts and master copies back
-        return accum * 4 * model_bytes * trainable + (
-            2 * (model_bytes + master_bytes) * trainable if master_bytes != model_bytes else 0)
-    reductions = accum if strategy.zero_stage >= 2 else 1
+        return accum * 4 * model_bytes * trainable + 2 * cast * trainable
     grads_in = accum * 2 * model_bytes * trainable + 2 * model_bytes * part
-    if strategy.backend == "deepspeed" and strategy.zero_stage in (1, 2):
-        grads_in += reductions * 4 * model_bytes * trainable  # flatten each bucket, copy the result back
-    flat_partition = 2 * model_bytes * part + ((model_bytes + master_bytes) * part if master_bytes != model_bytes else 0)
-    if strategy.backend != "deepspeed":
-        flat_partition = 0.0
-    return grads_in + flat_partition + (master_bytes + model_bytes) * part
+    if strategy.backend == "deepspeed":
+        grads_in += (2 * model_bytes + cast) * part  # flatten the partition, cast it to the master dtype
+        if strategy.zero_stage in (1, 2):  # flatten each bucket, copy the result back
+            grads_in += reductions_per_step(strategy, accum) * 4 * model_bytes * trainable
+    return grads_in + (master_bytes + model_bytes) * part
 
 
 def gradient_passes(strategy: Strategy, workload: Workload, *, trainable: int, dp: int, accum: int,
@@ -231,14 +235,11 @@ def gradient_passes(strategy: Strategy, workload: Workload, *, trainable: int, d
     overflow test and fp32 norm cast (term 4)."""
     if dp <= 1:
         return 0.0, 0.0
-    # DDP (no_sync until the last micro-batch), ZeRO-0 and ZeRO-1 reduce once per step
-    reductions = accum if strategy.backend != "ddp" and strategy.zero_stage >= 2 else 1
-    elements = reductions * float(trainable)
+    elements = reductions_per_step(strategy, accum) * float(trainable)
     copies = 0.0
     if strategy.backend == "deepspeed" and model_bytes == 2:
         checked = trainable / dp if strategy.zero_stage >= 1 else float(trainable)
-        fp16 = workload.precision.startswith("16")
-        if strategy.zero_stage in (0, 1, 2) or fp16:
+        if strategy.zero_stage < 3 or workload.precision.startswith("16"):
             elements += 2 * checked  # has_inf_or_nan: amax and amin
         copies += (model_bytes + 4) * checked  # norm: cast to fp32
     return elements, copies
