@@ -50,14 +50,16 @@ profile, measured by mode=calibrate, launcher/calibrate.py):
      and for its fp32 masters, and copies the masters back into the 16-bit parameters.
    Elementwise passes run at the elementwise rate, copies at the memory bandwidth.
 5. collectives, fully exposed on CPU (gloo's threads share the cores with compute): per call
-   `collective_latency_s`, plus the bus bytes at the calibrated bandwidth of the call's collective
-   and dtype (`bus_gbps`: gloo's all-gather is several times slower than its all-reduce, and its
-   16-bit sums slower than fp32 ones).
+   `collective_latency_s`, plus the bus bytes at the calibrated bandwidth of the call's collective,
+   dtype and message size (`bus_gbps`: gloo's all-gather is several times slower than its
+   all-reduce, its 16-bit sums slower than fp32 ones, and messages of a few hundred KB slower per
+   byte than large ones).
    Calls: DDP one all-reduce per bucket (the first bucket holds 1 MiB,
    torch.distributed `_DEFAULT_FIRST_BUCKET_BYTES`, then `bucket_cap_mb`) and one buffer
-   broadcast per forward (broadcast_buffers=True); DeepSpeed one all-reduce per
-   `reduce_bucket_size` elements (ZeRO-0 and ZeRO-1/2, see `comm_s`; ZeRO-3 a reduce-scatter, which
-   gloo runs several times slower than an all-reduce of the same bytes);
+   broadcast per forward (broadcast_buffers=True); DeepSpeed ZeRO-0 one all-reduce per 500M
+   elements (`zero0_buckets`); ZeRO-1/2 one all-reduce per gradient bucket, ZeRO-3 one
+   reduce-scatter (which gloo runs several times slower than an all-reduce of the same bytes), the
+   buckets filled up to `reduce_bucket_size` elements gradient by gradient (`reduce_buckets`);
    ZeRO-1/2 one all-gather per `allgather_bucket_size` elements of the partition after the step; ZeRO-3 one all-gather per module with a parameter above
    `stage3_param_persistence_threshold` in forward (kept gathered for backward, as
    launcher/memory/zero3.py `gathered_param_bytes` finds by default); ZeRO 1-3 steps add two
@@ -73,6 +75,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from launcher.memory.common import full_depth_numels
+from launcher.memory.deepspeed import MEMORY_OPT_ALLREDUCE_SIZE
 from launcher.steptrace import OpClass
 from launcher.types import Cluster, Strategy, Workload
 
@@ -105,6 +109,7 @@ class StepCounts:
     gathered_modules: float  # ZeRO-3: modules with a parameter above the persistence threshold
     gathered_numel: float  # ZeRO-3: elements of the parameters above the persistence threshold
     num_param_tensors: float = 0.0  # parameter tensors of the model (framework per-tensor overhead)
+    grad_numels: tuple = ()  # trainable parameters' elements at the real depth, in backward order (buckets)
 
 
 def step_counts(traces, persistence_threshold: int) -> StepCounts:
@@ -136,7 +141,44 @@ def step_counts(traces, persistence_threshold: int) -> StepCounts:
         activation_elements=fwd_bwd(OpClass.ELEMENTWISE, True), copy_bytes=fwd_bwd(OpClass.COPY, False),
         num_modules=traces.at_depth(modules), gathered_modules=traces.at_depth(lambda t: modules(t, True)),
         gathered_numel=traces.at_depth(lambda t: float(t.params.numel[t.params.numel > persistence_threshold].sum())),
-        num_param_tensors=traces.at_depth(lambda t: float(len(t.params.numel))))
+        num_param_tensors=traces.at_depth(lambda t: float(len(t.params.numel))),
+        grad_numels=tuple(reversed(full_depth_numels(traces.depth2, traces.num_layers))))
+
+
+def reduce_buckets(counts: StepCounts, trainable: int, bucket_numel: int) -> list[float]:
+    """Elements of each reduction call of one gradient reduction in `bucket_numel`-element buckets,
+    filled in backward order: a gradient that would overflow the bucket flushes it first, so a
+    gradient larger than the bucket is reduced alone (DeepSpeed stage_1_and_2.py
+    `reduce_independent_p_g_buckets_and_remove_grads`, stage3.py `reduce_ready_partitions_and_remove_grads`,
+    ColossalAI low_level_optim.py `_add_to_bucket`: `bucket.elements + param.numel() > bucket size`).
+    Without the gradient sizes: full buckets and the remainder. A rank holding a shard of the
+    model (tensor parallel: `trainable` is its share) holds that share of each gradient."""
+    total = sum(counts.grad_numels)
+    if not total:
+        full, rest = divmod(trainable, bucket_numel)
+        return [float(bucket_numel)] * int(full) + ([float(rest)] if rest or not full else [])
+    out, elements = [], 0.0
+    for n in (n * trainable / total for n in counts.grad_numels):
+        if elements and elements + n > bucket_numel:
+            out.append(elements)
+            elements = 0.0
+        elements += n
+    return out + ([elements] if elements else [])
+
+
+def zero0_buckets(counts: StepCounts, trainable: int) -> list[float]:
+    """Elements of each all-reduce of DeepSpeed ZeRO-0: engine.py `allreduce_gradients` passes
+    `MEMORY_OPT_ALLREDUCE_SIZE` (500M elements), not `reduce_bucket_size`, to
+    `buffered_allreduce_fallback` -> `allreduce_no_retain`, which flushes once a bucket exceeds it
+    (launcher/memory/deepspeed.py `zero0_layout` lays out the same flat buffer): one call below
+    500M trainable elements."""
+    out, elements = [], 0.0
+    for n in counts.grad_numels or (trainable,):
+        elements += n
+        if elements > MEMORY_OPT_ALLREDUCE_SIZE:
+            out.append(elements)
+            elements = 0.0
+    return out + ([elements] if elements else [])
 
 
 def elementwise_elems_per_s(cluster: Cluster) -> float:
@@ -151,16 +193,26 @@ def _call_s(num_calls: float, num_bytes: float, factor: float, gbps: float, clus
     return num_calls * cluster.collective_latency_s + (num_bytes * factor / (gbps * GB) if gbps > 0 else 0.0)
 
 
-def bus_gbps(cluster: Cluster, collective: str, elem_bytes: int) -> float:
+def bus_gbps(cluster: Cluster, collective: str, elem_bytes: int, message_bytes: float | None = None) -> float:
     """Bus bandwidth of `collective` ('all_reduce' | 'all_gather' | 'reduce_scatter') on `elem_bytes`-byte
     elements: the calibrated `collective_gbps` of that dtype (16-bit -> bf16, else fp32; gloo sums
-    bf16 slower than fp32) at its largest message size. With the per-call `collective_latency_s` this
-    is the alpha-beta (Hockney) model: a call costs the latency plus bytes / bandwidth, so the
-    bandwidth is the large-message one (calibrate.py takes the latency out of each timing).
-    Without a table, the profile's scalar bandwidths (reduce-scatter: the all-reduce's)."""
+    bf16 slower than fp32) at the call's message size (the whole tensor reduced, gathered or
+    scattered), interpolated linearly in log size between the calibrated sizes and held at the
+    smallest and largest; without a size, the largest. With the per-call `collective_latency_s`
+    this is the alpha-beta (Hockney) model: a call costs the latency plus bytes / bandwidth
+    (calibrate.py takes the latency out of each timing, and times messages that are not in the
+    CPU caches, as gradient buckets are not). Without a table, the profile's scalar bandwidths
+    (reduce-scatter: the all-reduce's)."""
     table = cluster.collective_gbps.get(f"{collective}_{'bf16' if elem_bytes == 2 else 'fp32'}")
     if table:
-        return table[max(table)]
+        sizes = sorted(table)
+        mib = sizes[-1] if message_bytes is None else message_bytes / MIB
+        if mib <= sizes[0] or mib >= sizes[-1]:
+            return table[sizes[0] if mib <= sizes[0] else sizes[-1]]
+        hi = next(k for k in sizes if k >= mib)
+        lo = sizes[sizes.index(hi) - 1]
+        w = math.log(mib / lo) / math.log(hi / lo)
+        return table[lo] + w * (table[hi] - table[lo])
     if collective == "all_gather":
         return cluster.all_gather_bandwidth_gbps or cluster.intra_node_bandwidth_gbps
     return cluster.intra_node_bandwidth_gbps
@@ -183,23 +235,28 @@ def comm_s(counts: StepCounts, strategy: Strategy, cluster: Cluster, *, trainabl
     grads = trainable * grad_bytes
 
     def calls_s(collective: str, num_calls: float, num_bytes: float, factor: float, elem_bytes: int) -> float:
-        return _call_s(num_calls, num_bytes, factor, bus_gbps(cluster, collective, elem_bytes), cluster)
+        """`num_calls` equal calls moving `num_bytes` in all."""
+        gbps = bus_gbps(cluster, collective, elem_bytes, num_bytes / num_calls if num_calls else None)
+        return _call_s(num_calls, num_bytes, factor, gbps, cluster)
+
+    def buckets_s(collective: str, buckets: list[float], factor: float) -> float:
+        return sum(calls_s(collective, 1, n * grad_bytes, factor, grad_bytes) for n in buckets)
 
     if strategy.backend == "ddp":
         calls = 1 + max(0, math.ceil((grads - DDP_FIRST_BUCKET_BYTES) / (ddp.bucket_cap_mb * MIB)))
         return (worker_s + calls_s("all_reduce", calls, grads, 2 * ring, grad_bytes)
                 + accum * cluster.collective_latency_s)
-    reduce_calls = math.ceil(trainable / ds.reduce_bucket_size)
     if strategy.zero_stage == 0:
-        return worker_s + calls_s("all_reduce", reduce_calls, grads, 2 * ring, grad_bytes)
+        return worker_s + buckets_s("all_reduce", zero0_buckets(counts, trainable), 2 * ring)
+    buckets = reduce_buckets(counts, trainable, ds.reduce_bucket_size)
     if strategy.zero_stage in (1, 2) and (strategy.backend == "deepspeed" or strategy.zero_stage == 1):
         # DeepSpeed 0.19 ZeRO-1/2 all-reduce each bucket and keep their partition's slice
         # (`use_multi_rank_bucket_allreduce`, default true: stage_1_and_2.py `average_tensor` ->
         # `allreduce_and_scatter` -> `allreduce_bucket` -> dist.all_reduce); LowLevelZero without
         # partitioned gradients all-reduces each bucket (low_level_optim.py `_run_reduction`)
-        per_reduction = calls_s("all_reduce", reduce_calls, grads, 2 * ring, grad_bytes)
+        per_reduction = buckets_s("all_reduce", buckets, 2 * ring)
     else:  # ZeRO-3 `reduce_scatter_coalesced` (dist.reduce_scatter_tensor), LowLevelZero stage 2
-        per_reduction = calls_s("reduce_scatter", reduce_calls, grads, ring, grad_bytes)
+        per_reduction = buckets_s("reduce_scatter", buckets, ring)
     worker_s += ZERO_STEP_COLLECTIVES * cluster.collective_latency_s
     reductions = reductions_per_step(strategy, accum)
     if strategy.zero_stage in (1, 2):
@@ -258,7 +315,8 @@ def host_time_s(counts: StepCounts, strategy: Strategy, workload: Workload, clus
     accesses += CLIP_ACCESSES_PER_ELEM
     zero3_gather_bytes = (counts.gathered_numel * model_bytes * (dp - 1) / dp * accum
                           if strategy.zero_stage == 3 and strategy.backend == "deepspeed" else 0.0)
-    gather_gbps = bus_gbps(cluster, "all_gather", model_bytes)
+    gather_gbps = bus_gbps(cluster, "all_gather", model_bytes,
+                           counts.gathered_numel * model_bytes / counts.gathered_modules if counts.gathered_modules else None)
     pass_elements, pass_copies = gradient_passes(strategy, workload, trainable=trainable, dp=dp, accum=accum,
                                                  model_bytes=model_bytes)
     return {

@@ -56,20 +56,41 @@ def test_activation_traffic_elementwise_elements_and_copied_bytes():
     assert terms(DDP, cluster=no_rate)["activation_traffic_s"] == pytest.approx(30e6 * 12 / (6.0 * GB) + copies_s)
 
 
-def test_bus_bandwidth_of_the_dtype_at_the_largest_size():
-    """The 16-bit table for 2-byte elements, the fp32 one otherwise, at the largest measured size;
+def test_bus_bandwidth_of_the_dtype_at_the_message_size():
+    """The 16-bit table for 2-byte elements, the fp32 one otherwise, at the call's message size:
+    linear in log size between calibrated sizes, held beyond them, the largest without a size;
     without a table the scalar link bandwidths; DDP's fp32 and ZeRO's bf16 reductions differ."""
+    import math
+
     from launcher.host_time import bus_gbps
 
     table = {"all_reduce_fp32": {1.0: 0.8, 16.0: 1.6}, "all_reduce_bf16": {1.0: 0.4, 16.0: 0.6}}
     c = replace(CPU, collective_gbps=table)
     assert bus_gbps(c, "all_reduce", 4) == 1.6 and bus_gbps(c, "all_reduce", 2) == 0.6
+    assert bus_gbps(c, "all_reduce", 4, 4 * MIB) == pytest.approx(0.8 + 0.5 * 0.8)  # 4 MiB: halfway in log size
+    assert bus_gbps(c, "all_reduce", 2, 0.1 * MIB) == 0.4 and bus_gbps(c, "all_reduce", 2, 64 * MIB) == 0.6
     assert bus_gbps(c, "all_gather", 4) == CPU.all_gather_bandwidth_gbps  # no all-gather table
     assert bus_gbps(CPU, "all_reduce", 2) == CPU.intra_node_bandwidth_gbps
-    grads = 1e6 * 2  # a bf16 all-reduce of 2 MB, one call: latency + bus bytes at the bf16 rate
+    grads = 1e6 * 2  # a bf16 all-reduce of 2 MB, one call: latency + bus bytes at the bf16 rate of 2 MB
+    rate = 0.4 + 0.2 * math.log(grads / MIB) / math.log(16)
     got = comm_s(COUNTS, Z[0], c, trainable=1_000_000, dp=2, accum=1, model_bytes=2, grad_bytes=2,
                  ds=DeepSpeedConfig(reduce_bucket_size=10**7), ddp=DDPConfig())
-    assert got == pytest.approx((WORKER_COLLECTIVES_PER_STEP + 1) * 1e-4 + grads * 2 * 0.5 / (0.6 * GB))
+    assert got == pytest.approx((WORKER_COLLECTIVES_PER_STEP + 1) * 1e-4 + grads * 2 * 0.5 / (rate * GB))
+
+
+def test_reduce_buckets_follow_the_flush_rule():
+    """A gradient that would overflow the bucket flushes it first; one larger than the bucket goes
+    alone; ZeRO-0 reduces everything below 500M elements in one call whatever reduce_bucket_size is."""
+    from launcher.host_time import reduce_buckets, zero0_buckets
+
+    counts = replace(COUNTS, grad_numels=(50, 60, 300, 10, 20, 30))
+    assert reduce_buckets(counts, 470, 100) == [50, 60, 300, 60]
+    assert reduce_buckets(counts, 470, 1000) == [470]
+    assert reduce_buckets(counts, 235, 100) == [25 + 30, 150, 30]  # a tensor-parallel half of each gradient
+    assert reduce_buckets(COUNTS, 250, 100) == [100, 100, 50]  # no sizes: full buckets and the rest
+    assert zero0_buckets(counts, 470) == [470]
+    big = replace(COUNTS, grad_numels=(300_000_000, 300_000_000, 10))
+    assert zero0_buckets(big, 600_000_010) == [600_000_000, 10]
 
 
 def test_ddp_buckets_and_latency():
