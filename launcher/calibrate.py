@@ -15,7 +15,8 @@ worker):
 - all-reduce and all-gather bus bandwidth between the local ranks (gloo on CPU, nccl on GPU) for
   each size in `calibrate.collective_mib` and for fp32 and bf16 tensors, with nccl-tests'
   bus-bandwidth convention (doc/PERFORMANCE.md: all-reduce busbw = S/t x 2(n-1)/n, all-gather
-  busbw = S/t x (n-1)/n with S the gathered size), and the latency of a 4-byte all-reduce; the
+  busbw = S/t x (n-1)/n with S the gathered size), and the latency of a 4-byte all-reduce, each
+  the mean call of a batch over tensors not in the CPU caches (`collectives`); the
   profile keeps the whole table (`collective_gbps`) and, as the scalar link bandwidths, the
   largest fp32 size's (`largest`);
 - on GPU, pinned host -> device copy bandwidth;
@@ -149,6 +150,14 @@ def host_link_gbps(repeats: int, sync, num_bytes: int = 256 * 2**20) -> float:
 COLLECTIVE_DTYPES = ("fp32", "bf16")
 
 
+def batched_s(fn, batch: int, repeats: int, sync=lambda: None) -> float:
+    """Mean time of one of `batch` back-to-back calls of `fn`, the median over `repeats` batches."""
+    def run():
+        for _ in range(batch):
+            fn()
+    return timed_s(run, repeats, sync) / batch
+
+
 def alpha_beta_gbps(moved_bytes: float, t_s: float, latency_s: float) -> float:
     """Bandwidth of a call that took `t_s` to move `moved_bytes` when each call also costs
     `latency_s` (t = latency + bytes / bandwidth); a time within the latency's noise counts as
@@ -163,13 +172,19 @@ def collectives(device: str, sizes_mib: list[float], repeats: int, sync) -> dict
     Reduce-scatter's bus bytes are (n-1)/n of the message (nccl-tests' convention). The
     alpha-beta model the speed model uses (a call costs the latency plus bytes / bandwidth,
     launcher/host_time.py) takes the latency out of each timing before dividing:
-    bandwidth = bus bytes / (t - latency)."""
+    bandwidth = bus bytes / (t - latency).
+    Each call works on the next of `COLD_BYTES / size` distinct random tensors, round-robin, as a
+    training step reduces a new gradient bucket each call (reusing one tensor would time messages
+    that fit the CPU caches hot), and a timing is a batch of up to `BATCH` calls back to back,
+    divided by their number: the speed model adds the calls' costs, so it needs their mean, and
+    gloo calls on a busy 2-core machine have a long tail (the mean of a 0.4 MB all-reduce is about
+    twice its median on the development VM)."""
     import torch
     import torch.distributed as dist
 
     n = dist.get_world_size()
     tiny = torch.ones(1, device=device)
-    latency_s = timed_s(lambda: dist.all_reduce(tiny), max(repeats, 20), sync)
+    latency_s = batched_s(lambda: dist.all_reduce(tiny), BATCH, max(repeats, 20), sync)
     out = {"collective_gbps": {}, "latency_s": latency_s}
     gbps = lambda moved, t_s: alpha_beta_gbps(moved, t_s, latency_s)  # noqa: E731
     for key in COLLECTIVE_DTYPES:
@@ -178,18 +193,46 @@ def collectives(device: str, sizes_mib: list[float], repeats: int, sync) -> dict
         reduce, gather, scatter = {}, {}, {}
         for mib in sizes_mib:
             numel = int(mib * 2**20) // size // n * n
-            t = torch.ones(numel, device=device, dtype=dtype)
-            reduce[mib] = gbps(numel * size * 2 * (n - 1) / n, timed_s(lambda: dist.all_reduce(t), repeats, sync))
-            shard = torch.ones(numel // n, device=device, dtype=dtype)
-            full = torch.empty(numel, device=device, dtype=dtype)
+            fulls = _cold_tensors(numel, dtype, device)
+            shards = _cold_tensors(numel // n, dtype, device, len(fulls))
+            nxt, batch = _round_robin(len(fulls)), min(len(fulls), BATCH)
+            reduce[mib] = gbps(numel * size * 2 * (n - 1) / n,
+                               batched_s(lambda: dist.all_reduce(fulls[next(nxt)]), batch, repeats, sync))
             gather[mib] = gbps(numel * size * (n - 1) / n,
-                               timed_s(lambda: dist.all_gather_into_tensor(full, shard), repeats, sync))
+                               batched_s(lambda: dist.all_gather_into_tensor(fulls[(k := next(nxt))], shards[k]),
+                                         batch, repeats, sync))
             scatter[mib] = gbps(numel * size * (n - 1) / n,
-                                timed_s(lambda: dist.reduce_scatter_tensor(shard, t), repeats, sync))
+                                batched_s(lambda: dist.reduce_scatter_tensor(shards[(k := next(nxt))], fulls[k]),
+                                          batch, repeats, sync))
+            del fulls, shards
         out["collective_gbps"][f"all_reduce_{key}"] = reduce
         out["collective_gbps"][f"all_gather_{key}"] = gather
         out["collective_gbps"][f"reduce_scatter_{key}"] = scatter
     return out
+
+
+BATCH = 16
+"""Collective calls per timing (`collectives`): their mean is what a step of many calls pays."""
+COLD_BYTES = 64 * 2**20
+"""Bytes the timed collectives cycle through per message size: well above a server CPU's last-level
+cache per core, so each call reads memory no earlier call left in the caches (`collectives`)."""
+
+
+def _cold_tensors(numel: int, dtype, device: str, count: int | None = None) -> list:
+    """`count` (default: COLD_BYTES worth, at least 2) random tensors of `numel` elements. Values
+    stay finite: random normals summed over a few ranks and at most a few dozen calls."""
+    import torch
+
+    nbytes = max(1, numel * torch.empty(0, dtype=dtype).element_size())
+    count = count or max(2, -(-COLD_BYTES // nbytes))
+    return [torch.randn(numel, device=device).to(dtype) for _ in range(count)]
+
+
+def _round_robin(count: int):
+    k = 0
+    while True:
+        yield k % count
+        k += 1
 
 
 def _rank_main(rank: int, world: int, port: int, device: str, threads: int, cal: dict, queue) -> None:
