@@ -100,7 +100,21 @@ def test_rates_follow_their_definitions(monkeypatch):
         dist.destroy_process_group()
     assert set(out["collective_gbps"]) == {f"{c}_{d}" for c in ("all_reduce", "all_gather", "reduce_scatter") for d in ("fp32", "bf16")}
     assert all(by_size == {1.0: 0.0} for by_size in out["collective_gbps"].values())  # n = 1: nothing moves
-    assert out["latency_s"] == 1e-3
+    assert out["latency_s"] == pytest.approx(1e-3 / calibrate.BATCH)  # a timed batch of BATCH calls took 1 ms
+
+
+def test_collective_timings_are_the_mean_call_over_cold_tensors(monkeypatch):
+    """A timing runs a batch of calls and divides by their number; the calls cycle through
+    distinct tensors that together exceed the caches, as a step's gradient buckets do."""
+    import torch
+
+    calls = []
+    monkeypatch.setattr(calibrate, "timed_s", lambda fn, repeats, sync=None: (fn(), 0.8)[1])
+    assert calibrate.batched_s(lambda: calls.append(1), 4, 3) == pytest.approx(0.2)
+    assert len(calls) == 4
+    tensors = calibrate._cold_tensors(2**18, torch.float32, "cpu")  # 1 MiB each
+    assert len(tensors) == calibrate.COLD_BYTES // 2**20 and len({t.data_ptr() for t in tensors}) == len(tensors)
+    assert len(calibrate._cold_tensors(2**24, torch.float32, "cpu")) == 2  # 64 MiB: at least two
 
 
 @pytest.mark.integration
