@@ -27,6 +27,7 @@ Every measurement repeats `calibrate.repeats` times after one warm-up; the media
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import os
 import platform
 import socket
@@ -195,7 +196,7 @@ def collectives(device: str, sizes_mib: list[float], repeats: int, sync) -> dict
             numel = int(mib * 2**20) // size // n * n
             fulls = _cold_tensors(numel, dtype, device)
             shards = _cold_tensors(numel // n, dtype, device, len(fulls))
-            nxt, batch = _round_robin(len(fulls)), min(len(fulls), BATCH)
+            nxt, batch = itertools.cycle(range(len(fulls))), min(len(fulls), BATCH)
             reduce[mib] = gbps(numel * size * 2 * (n - 1) / n,
                                batched_s(lambda: dist.all_reduce(fulls[next(nxt)]), batch, repeats, sync))
             gather[mib] = gbps(numel * size * (n - 1) / n,
@@ -226,13 +227,6 @@ def _cold_tensors(numel: int, dtype, device: str, count: int | None = None) -> l
     nbytes = max(1, numel * torch.empty(0, dtype=dtype).element_size())
     count = count or max(2, -(-COLD_BYTES // nbytes))
     return [torch.randn(numel, device=device).to(dtype) for _ in range(count)]
-
-
-def _round_robin(count: int):
-    k = 0
-    while True:
-        yield k % count
-        k += 1
 
 
 def _rank_main(rank: int, world: int, port: int, device: str, threads: int, cal: dict, queue) -> None:

@@ -151,8 +151,9 @@ class HardwareConfig:
     collective_gbps: Dict[str, Dict[float, float]] = field(default_factory=dict)
     """Measured bus bandwidth (GB/s) per collective and dtype (`all_reduce_*`, `all_gather_*`,
     `reduce_scatter_*` for fp32 and bf16) by message size in MiB, the per-call latency taken out.
-    The CPU host terms use each dtype's largest-size bandwidth with `collective_latency_s` per call
-    (gloo sums 16-bit tensors slower than fp32); absent = intra_node_bandwidth_gbps /
+    The CPU host terms cost each call at its message size's bandwidth (interpolated in log size)
+    plus `collective_latency_s` (gloo sums 16-bit tensors slower than fp32, and moves messages of a
+    few hundred KB slower per byte than large ones); absent = intra_node_bandwidth_gbps /
     all_gather_bandwidth_gbps. Measured by mode=calibrate."""
     collective_latency_s: float = 2.0e-5
     """Fixed time of one collective call (a 4-byte all-reduce), s. CPU gloo: measured by

@@ -76,7 +76,7 @@ import math
 from dataclasses import dataclass
 
 from launcher.memory.common import full_depth_numels
-from launcher.memory.deepspeed import MEMORY_OPT_ALLREDUCE_SIZE
+from launcher.memory.deepspeed import fill_buckets, no_retain_buckets
 from launcher.steptrace import OpClass
 from launcher.types import Cluster, Strategy, Workload
 
@@ -147,38 +147,25 @@ def step_counts(traces, persistence_threshold: int) -> StepCounts:
 
 def reduce_buckets(counts: StepCounts, trainable: int, bucket_numel: int) -> list[float]:
     """Elements of each reduction call of one gradient reduction in `bucket_numel`-element buckets,
-    filled in backward order: a gradient that would overflow the bucket flushes it first, so a
-    gradient larger than the bucket is reduced alone (DeepSpeed stage_1_and_2.py
-    `reduce_independent_p_g_buckets_and_remove_grads`, stage3.py `reduce_ready_partitions_and_remove_grads`,
-    ColossalAI low_level_optim.py `_add_to_bucket`: `bucket.elements + param.numel() > bucket size`).
-    Without the gradient sizes: full buckets and the remainder. A rank holding a shard of the
-    model (tensor parallel: `trainable` is its share) holds that share of each gradient."""
+    filled in backward order as DeepSpeed ZeRO-1/2/3 and ColossalAI LowLevelZero fill them
+    (launcher/memory/deepspeed.py `fill_buckets`). Without the gradient sizes: full buckets and the
+    remainder. A rank holding a shard of the model (tensor parallel: `trainable` is its share)
+    holds that share of each gradient."""
     total = sum(counts.grad_numels)
     if not total:
         full, rest = divmod(trainable, bucket_numel)
         return [float(bucket_numel)] * int(full) + ([float(rest)] if rest or not full else [])
-    out, elements = [], 0.0
-    for n in (n * trainable / total for n in counts.grad_numels):
-        if elements and elements + n > bucket_numel:
-            out.append(elements)
-            elements = 0.0
-        elements += n
-    return out + ([elements] if elements else [])
+    sizes = [n * trainable / total for n in counts.grad_numels]
+    return [sum(sizes[k] for k in group) for group in fill_buckets(sizes, bucket_numel)]
 
 
 def zero0_buckets(counts: StepCounts, trainable: int) -> list[float]:
     """Elements of each all-reduce of DeepSpeed ZeRO-0: engine.py `allreduce_gradients` passes
     `MEMORY_OPT_ALLREDUCE_SIZE` (500M elements), not `reduce_bucket_size`, to
-    `buffered_allreduce_fallback` -> `allreduce_no_retain`, which flushes once a bucket exceeds it
-    (launcher/memory/deepspeed.py `zero0_layout` lays out the same flat buffer): one call below
-    500M trainable elements."""
-    out, elements = [], 0.0
-    for n in counts.grad_numels or (trainable,):
-        elements += n
-        if elements > MEMORY_OPT_ALLREDUCE_SIZE:
-            out.append(elements)
-            elements = 0.0
-    return out + ([elements] if elements else [])
+    `buffered_allreduce_fallback` -> `allreduce_no_retain` (launcher/memory/deepspeed.py
+    `no_retain_buckets`, the flat buffer `zero0_layout` lays out): one call below 500M trainable
+    elements."""
+    return no_retain_buckets(counts.grad_numels or (trainable,))
 
 
 def elementwise_elems_per_s(cluster: Cluster) -> float:

@@ -77,22 +77,45 @@ def grads_in_partition_numel(sizes: list[int], dp: int, rank: int | None = None)
     return max(sum(n for n, inside in zip(sizes, partition_mask(sizes, dp, r)) if inside) for r in ranks)
 
 
+def fill_buckets(sizes, bucket_numel: float) -> list[list[int]]:
+    """Indices of `sizes` (gradients in the order their hooks run) grouped by the reduce bucket
+    that reduces them: a gradient that would overflow a non-empty bucket flushes it first, so a
+    gradient larger than the bucket goes alone (stage_1_and_2.py
+    `reduce_independent_p_g_buckets_and_remove_grads`: `bucket.elements + param.numel() >
+    reduce_bucket_size`; stage3.py and ColossalAI low_level_optim.py `_add_to_bucket` alike)."""
+    groups, elements = [], 0
+    for k, n in enumerate(sizes):
+        if not groups or (elements and elements + n > bucket_numel):
+            groups.append([])
+            elements = 0
+        groups[-1].append(k)
+        elements += n
+    return groups
+
+
+def no_retain_buckets(sizes) -> list:
+    """Elements of each flat buffer stage 0 all-reduces (engine.py `allreduce_no_retain` with
+    `MEMORY_OPT_ALLREDUCE_SIZE`): a bucket is flushed once it holds more than that."""
+    out, elements = [], 0
+    for n in sizes:
+        elements += n
+        if elements > MEMORY_OPT_ALLREDUCE_SIZE:
+            out.append(elements)
+            elements = 0
+    return out + ([elements] if elements else [])
+
+
 def reduce_events(trace: StepTrace, bucket_numel: int) -> dict:
     """{parameter: traced ready event of the hook whose flush reduces its gradient, or None for the
-    epilogue}. stage_1_and_2.py `reduce_independent_p_g_buckets_and_remove_grads`: a parameter's
-    hook first flushes the bucket if `bucket.elements + param.numel() > reduce_bucket_size`
-    (`reduce_ipg_grads`, which then copies each in-partition gradient, `copy_grads_in_partition`),
-    then adds its own gradient; what is left is reduced by the epilogue
-    (`overlapping_partition_gradients_reduce_epilogue`)."""
-    out, pending, elements = {}, [], 0
-    for i, event in grad_ready_order(trace):
-        n = int(trace.params.numel[i])
-        if elements and elements + n > bucket_numel:
-            out.update((p, event) for p in pending)
-            pending, elements = [], 0
-        pending.append(i)
-        elements += n
-    out.update((p, None) for p in pending)
+    epilogue}: a bucket (`fill_buckets`) is flushed by the hook of the next bucket's first gradient
+    (`reduce_ipg_grads`, which then copies each in-partition gradient, `copy_grads_in_partition`);
+    what is left is reduced by the epilogue (`overlapping_partition_gradients_reduce_epilogue`)."""
+    order = grad_ready_order(trace)
+    groups = fill_buckets([int(trace.params.numel[i]) for i, _ in order], bucket_numel)
+    out = {}
+    for group, following in zip(groups, groups[1:] + [None]):
+        event = order[following[0]][1] if following else None
+        out.update((order[k][0], event) for k in group)
     return out
 
 
@@ -179,12 +202,7 @@ def zero0_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
     (`allreduce_bucket`: `self.flatten(bucket)`, a copy) one at a time."""
     sizes = numels(trace)
     total = sum(sizes)
-    bucket, largest = 0, 0
-    for n in sizes:  # allreduce_no_retain: flush once numel > numel_per_bucket
-        bucket += n
-        if bucket > MEMORY_OPT_ALLREDUCE_SIZE:
-            largest, bucket = max(largest, bucket), 0
-    largest = max(largest, bucket) if len(sizes) > 1 else 0
+    largest = max(no_retain_buckets(sizes), default=0) if len(sizes) > 1 else 0
     e = z.model_bytes
     if z.master_bytes == e:  # no wrapper: the client optimizer steps the model's own parameters
         # (fp32; or bf16-true, whose ds_config enables no bf16 mode: states in the parameters' dtype)
