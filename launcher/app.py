@@ -174,6 +174,9 @@ def main(cfg: DictConfig) -> None:
     plan = planner.plan(config, spec, cluster)
     plan_dict = report.plan_to_dict(plan, cluster.memory_bytes)
     (run_dir / "plan.json").write_text(json.dumps(plan_dict, indent=2) + "\n")
+    from launcher import exports
+
+    exports.write(plan, config, run_dir)
     if config.report.name == "json":
         print(json.dumps(plan_dict, indent=2))
     else:
