@@ -43,9 +43,11 @@ Attention = _enum(
 )
 StrategyName = _enum(
     "StrategyName",
-    ["auto", "ddp", "zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload",
+    ["auto", "single", "ddp", "zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload",
      "cai_ddp", "cai_zero1", "cai_zero2", "cai_gemini", "cai_tp", "cai_pp"],
-    "auto = plan every candidate. ddp = torch DistributedDataParallel. zero0..zero3 = DeepSpeed "
+    "auto = plan every candidate. single = one process, the model not wrapped by any data-parallel "
+    "framework (what HF Trainer and torchtune run on one GPU; gpus=1 only). ddp = torch "
+    "DistributedDataParallel. zero0..zero3 = DeepSpeed "
     "ZeRO stage 0..3; *_offload = ZeRO-Offload of optimizer states (and for stage 3 "
     "parameters) to host memory. cai_* = ColossalAI plugins (optional install, see README "
     "'ColossalAI'): cai_ddp TorchDDPPlugin, cai_zero1/cai_zero2 LowLevelZeroPlugin stage 1/2, "

@@ -16,6 +16,8 @@ from launcher.types import Candidate, Cluster, Plan, Strategy, Workload
 
 # The catalogue of strategies this planner enumerates (name -> layout).
 STRATEGIES: dict[str, Strategy] = {
+    # one process, no data-parallel wrapper: torch as the model and optimizer run (gpus=1)
+    "single": Strategy("single", "ddp"),
     "ddp": Strategy("ddp", "ddp"),
     "zero0": Strategy("zero0", "deepspeed", zero_stage=0),
     "zero1": Strategy("zero1", "deepspeed", zero_stage=1),
@@ -143,6 +145,9 @@ def unsupported(strategy: Strategy, config: LauncherConfig, cluster: Cluster, sp
                 f"not {spec.model_type}")
     from launcher.memory import deepspeed_support_problem
 
+    if strategy.name == "single" and cluster.num_gpus > 1:
+        return (f"one process without a data-parallel wrapper; gpus={cluster.num_gpus} needs ddp or "
+                "another data-parallel strategy")
     if cluster.device == "cpu" and (strategy.offload_optimizer or strategy.offload_params):
         return "offload moves states to host memory, which on CPU processes is the same memory"
     if strategy.backend == "deepspeed":

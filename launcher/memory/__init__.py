@@ -45,7 +45,7 @@ from launcher.types import Cluster, MemoryEstimate, Strategy, Workload
 from . import runtime
 from .common import (DTYPE_BYTES, PHASES, extrapolate_layouts, extrapolate_peaks, host_bytes,
                      phase_peaks)
-from .ddp import DDP_NOTES, ddp_layout
+from .ddp import DDP_NOTES, SINGLE_NOTES, ddp_layout
 from .deepspeed import ZeroSetup, gradient_partitions, zero0_layout, zero12_layout
 from .replay import peak_reserved_bytes
 from .zero3 import full_depth_numels, gathered_param_bytes, zero3_layout
@@ -105,7 +105,9 @@ def _zero_setup(traces: TraceSet, strategy: Strategy, workload: Workload, ds, dp
 def _layouts(traces: TraceSet, strategy: Strategy, workload: Workload, ds, ddp, dp: int):
     depths = (traces.depth1, traces.depth2)
     if strategy.backend == "ddp":
-        return [ddp_layout(t, ddp, dp, workload.optimizer) for t in depths], DDP_NOTES, None
+        wrapped = strategy.name != "single"
+        return ([ddp_layout(t, ddp, dp, workload.optimizer, wrapped) for t in depths],
+                DDP_NOTES if wrapped else SINGLE_NOTES, None)
     trace_request(strategy, workload)  # raises if unsupported
     z = _zero_setup(traces, strategy, workload, ds, dp)
     build = {0: zero0_layout, 1: zero12_layout, 2: zero12_layout, 3: zero3_layout}[z.stage]

@@ -43,8 +43,11 @@ def bucket_bytes(trace: StepTrace, bucket_cap_mb: float) -> list[int]:
     return out
 
 
-def ddp_layout(trace: StepTrace, ddp: DDPConfig, dp_size: int, optimizer: str = "") -> Layout:
-    """The traced step as DDP runs it on every rank (all ranks are identical). bitsandbytes 8-bit
+def ddp_layout(trace: StepTrace, ddp: DDPConfig, dp_size: int, optimizer: str = "",
+               wrapped: bool = True) -> Layout:
+    """The traced step as DDP runs it on every rank (all ranks are identical); `wrapped=False`:
+    the step exactly as traced, one process and no DDP (strategy `single`: no buckets, autograd's
+    gradients are the gradients, as HF Trainer and torchtune run on one GPU). bitsandbytes 8-bit
     optimizers are not traced (their kernels cannot run on fake tensors): their states
     (`modelled_state_bytes`, one per trainable parameter) live for the whole step and their
     in-place update adds no temporary (common.py `optimizer_step_temp_numel`)."""
@@ -55,6 +58,8 @@ def ddp_layout(trace: StepTrace, ddp: DDPConfig, dp_size: int, optimizer: str = 
     layout.hoist_persistent(Kind.OPTIM)
     if modelled is not None:
         layout.add("optimizer_states", "optimizer_states", modelled)
+    if not wrapped:
+        return layout
     buckets = bucket_bytes(trace, ddp.bucket_cap_mb)
     if ddp.gradient_as_bucket_view:
         g = (trace.kind == Kind.GRAD) & (trace.ready >= 0)
@@ -66,6 +71,11 @@ def ddp_layout(trace: StepTrace, ddp: DDPConfig, dp_size: int, optimizer: str = 
             layout.add(f"ddp_bucket_{j}", "buffers", nbytes)
     return layout
 
+
+SINGLE_NOTES = (
+    "single process, no data-parallel wrapper: model, autocast and optimizer traced for real, "
+    "gradients as autograd allocates them (no buckets).",
+)
 
 DDP_NOTES = (
     "torch DDP: model, autocast and optimizer traced for real; gradient buckets sized to their "

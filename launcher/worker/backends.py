@@ -22,6 +22,7 @@ OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adamw_bnb_8bit", "page
 DDP_KWARGS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters",
               "broadcast_buffers")
 DS_TAG = "deepspeed"
+SINGLE = "single"  # the strategy that runs one process without a data-parallel wrapper
 
 
 def make_optimizer(name: str, params, learning_rate: float, weight_decay: float):
@@ -77,13 +78,18 @@ def _check_ddp_kwargs(framework_config: dict) -> None:
 
 
 class DDPBackend:
+    """torch DistributedDataParallel; strategy `single`: the same loop on one process with the model
+    not wrapped (no gradient buckets), as HF Trainer and torchtune train on one GPU."""
+
     def __init__(self, model, spec, env, plan, meter) -> None:
         import torch
         from torch.nn.parallel import DistributedDataParallel
 
         _check_ddp_kwargs(spec.framework_config)
         device_ids = [env.local_rank] if env.device == "cuda" else None
-        self.model = DistributedDataParallel(model, device_ids=device_ids, **spec.framework_config)
+        self.module = model
+        self.model = (model if spec.strategy == SINGLE else
+                      DistributedDataParallel(model, device_ids=device_ids, **spec.framework_config))
         self.optimizer = make_optimizer(spec.optimizer, model.parameters(), spec.learning_rate, spec.weight_decay)
         self.scheduler = make_scheduler(self.optimizer, spec.warmup_steps)
         self.scaler = torch.amp.GradScaler("cuda") if plan.grad_scaler else None
@@ -99,7 +105,7 @@ class DDPBackend:
         return torch.autocast(self._device_type, dtype=self._autocast_dtype)
 
     def micro_step(self, input_ids, last: bool):
-        sync = contextlib.nullcontext() if last else self.model.no_sync()
+        sync = contextlib.nullcontext() if last or self.model is self.module else self.model.no_sync()
         with sync:
             with self._meter.phase("forward"), self._autocast():
                 loss = self.model(input_ids=input_ids, labels=input_ids).loss
@@ -129,7 +135,7 @@ class DDPBackend:
         return float(self.scheduler.get_last_lr()[0])
 
     def _states(self) -> dict:
-        states = {"model": self.model.module, "optimizer": self.optimizer, "scheduler": self.scheduler}
+        states = {"model": self.module, "optimizer": self.optimizer, "scheduler": self.scheduler}
         if self.scaler:
             states["scaler"] = self.scaler
         return states
@@ -147,7 +153,7 @@ class DDPBackend:
         device = next(self.model.parameters()).device
         for name, obj in self._states().items():
             obj.load_state_dict(torch.load(directory / f"{name}.pt", map_location=device, weights_only=True))
-        self._meter.track_external(self.model.module, self.optimizer)
+        self._meter.track_external(self.module, self.optimizer)
 
 
 def deepspeed_config(spec, world_size: int) -> dict:
@@ -276,6 +282,8 @@ def check_backend(spec, world_size: int) -> None:
                           "has none: use peft=lora on CPU")
     if quant and spec.backend != "ddp":
         raise ConfigError(f"QLoRA runs with torch DDP only, not backend={spec.backend}")
+    if getattr(spec, "strategy", None) == SINGLE and world_size != 1:
+        raise ConfigError(f"strategy=single runs one process, not {world_size}; use strategy=ddp for several")
     if spec.backend == "ddp":
         _check_ddp_kwargs(spec.framework_config)
     elif spec.backend == "colossalai":
