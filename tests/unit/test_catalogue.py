@@ -70,6 +70,11 @@ PUBLISHED_PARAMS = {
     "qwen2.5-3b": (3_090_000_000, "Qwen/Qwen2.5-3B " + _CARD + ": 3.09B"),
     "qwen2.5-7b": (7_610_000_000, "Qwen/Qwen2.5-7B " + _CARD + ": 7.61B"),
     "qwen2.5-14b": (14_700_000_000, "Qwen/Qwen2.5-14B " + _CARD + ": 14.7B"),
+    "qwen-1.8b": (1_840_000_000, "Qwen/Qwen-1_8B " + _CARD + ": 1.8B (Qwen technical report Table 1: 1.8B)"),
+    "qwen-7b": (7_700_000_000, "Qwen/Qwen-7B " + _CARD + ": 7.7B"),
+    "qwen-14b": (14_200_000_000, "Qwen/Qwen-14B " + _CARD + ": 14.2B"),
+    "qwen-72b": (72_300_000_000, "Qwen/Qwen-72B " + _CARD + ": 72.3B"),
+    "mixtral-8x7b": (46_700_000_000, "Mixtral of experts (arXiv:2401.04088) / Mistral announcement: 46.7B total"),
     "tinyllama-1.1b": (1_100_000_000, "TinyLlama/TinyLlama-1.1B " + _CARD + ": 1.1B"),
     "phi-2": (2_779_683_840, "microsoft/phi-2: " + _HUB),
     "gemma-2b": (524_550_144 + 1_981_622_272, "Gemma report (arXiv:2403.08295) Table 2: embedding + non-embedding"),
@@ -208,7 +213,7 @@ def test_synthetic_models_fit_their_purpose():
 NOMINAL = {
     "v100-16g": (16, 70), "v100-32g": (32, 70), "a10g": (24, 86), "l4": (24, 89),
     "l40s": (48, 89), "a100-40g": (40, 80), "a100-80g": (80, 80), "h100-80g": (80, 90),
-    "h200": (141, 90), "rtx3090": (24, 86), "rtx4090": (24, 89), "a6000": (48, 86),
+    "h200": (141, 90), "rtx3090": (24, 86), "rtx4090": (24, 89), "a6000": (48, 86), "titan-rtx": (24, 75),
 }
 _NUMERIC_KEYS = ("memory_bytes", "host_memory_bytes", "matmul_efficiency", "memory_bandwidth_gbps",
                  "intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps", "host_link_bandwidth_gbps",
