@@ -163,24 +163,31 @@ def main(cfg: DictConfig) -> None:
     if mode == "auto":
         mode = "run" if local_gpu_names() or config.hardware.device == "cpu" else "plan"
         if mode == "plan" and config.hardware.device != "cpu":
-            print("note: no local GPU: planning only. To train for real on CPU processes, "
-                  "add hardware=cpu (e.g. scripts/demo)", file=sys.stderr)
+            print(report.wrapped("note: no local GPU: planning only. To train for real on CPU processes, "
+                                 "add hardware=cpu (e.g. scripts/demo)"), file=sys.stderr)
     from launcher.calibrate import other_machine_note
 
     note = other_machine_note(config.hardware)
     if note and config.report.name != "json":
-        print(note, file=sys.stderr)
+        print(report.wrapped(note), file=sys.stderr)
     cluster = cluster_from(config.hardware, config.gpus, config.nodes)
-    plan = planner.plan(config, spec, cluster)
+    from launcher.progress import working
+
+    where = f"{config.gpus} CPU processes" if cluster.device == "cpu" else f"{config.gpus} x {config.hardware.name}"
+    with working(f"planning {spec.name} on {where}: tracing the model, estimating every strategy"):
+        plan = planner.plan(config, spec, cluster)
     plan_dict = report.plan_to_dict(plan, cluster.memory_bytes)
     (run_dir / "plan.json").write_text(json.dumps(plan_dict, indent=2) + "\n")
     from launcher import exports
 
     exports.write(plan, config, run_dir)
+    from launcher import report_html
+
+    report_html.write(run_dir, config.planner.safety_margin, cluster.device)
     if config.report.name == "json":
         print(json.dumps(plan_dict, indent=2))
     else:
-        report.print_plan(plan, cluster.memory_bytes)
+        report.print_plan(plan, cluster.memory_bytes, cluster.device, wide=config.report.name == "wide")
     if plan.chosen is None:
         fits = any(c.fits for c in plan.candidates)
         print("No candidate that fits can be launched here; see each verdict." if fits else
@@ -193,7 +200,7 @@ def main(cfg: DictConfig) -> None:
     job = launch.prepare(plan, config, spec, run_dir)
     quiet = config.report.name == "json"
     if not quiet:
-        print(f"\nrun directory: {run_dir}\nlaunch command: {job.command_line}")
+        print(f"\nrun directory: {run_dir}\nlaunch command:\n{report.shell_block(job.argv)}")
     if config.launch.kind.name != "torchrun":  # launch=slurm / sbatch_script (launcher/slurm.py)
         from launcher import slurm
 
@@ -207,12 +214,14 @@ def main(cfg: DictConfig) -> None:
         from launcher import measure
 
         result = measure.measure(job, plan, config)
+        report_html.write(run_dir, config.planner.safety_margin, cluster.device)
         print(json.dumps(result, indent=2) if quiet else "\n" + measure.format_result(result))
         return
     if mode == "run":
         from launcher import fallback
 
         rc, final_dir = fallback.run_with_fallback(plan, config, spec, job, quiet=quiet)
+        report_html.write(run_dir, config.planner.safety_margin, cluster.device, Path(final_dir))
         if rc != 0:
             print(f"error: training exited with code {rc}; logs in {final_dir}", file=sys.stderr)
             sys.exit(rc)

@@ -69,7 +69,9 @@ def prepare_argv(argv: list[str]) -> list[str]:
         if isinstance(config.resume, str):
             fallback.check_resume(config)
     for n in notes:
-        print(f"note: {n}", file=sys.stderr)
+        from launcher.report import wrapped
+
+        print(wrapped(f"note: {n}"), file=sys.stderr)
     return argv
 
 

@@ -64,7 +64,9 @@ Mode = _enum(
     "(matmul throughput, collective bandwidth, per-op overhead) and write a hardware profile. "
     "infer_plan = per-GPU serving memory (weights, KV cache, activations; section `inference`).",
 )
-Report = _enum("Report", ["table", "json"], "How the plan is printed on stdout.")
+Report = _enum("Report", ["table", "json", "wide"],
+               "How the plan is printed on stdout: table = one row per strategy in 120 columns; "
+               "json = plan.json; wide = every column and the full verdicts.")
 LaunchKind = _enum(
     "LaunchKind", ["torchrun", "slurm", "sbatch_script"],
     "torchrun = run here (launcher/launch.py). slurm = submit a Slurm job with submitit: one task "

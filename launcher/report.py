@@ -1,7 +1,9 @@
-"""Plan -> JSON contract and a readable table; the end-of-run summary."""
+"""Plan -> JSON contract; the terminal table (launcher/report_table.py); the end-of-run summary."""
 from __future__ import annotations
 
 import json
+import shutil
+import textwrap
 from dataclasses import asdict
 from pathlib import Path
 
@@ -67,69 +69,37 @@ def strategy_label(c: Candidate) -> str:
     return " ".join([c.strategy.name, *sizes])
 
 
-def shown_rows(plan: Plan) -> list[int]:
-    """The rows a person needs: per strategy layout and training variant, its fastest candidate
-    that fits and its first that does not (the rest are in plan.json)."""
-    keep: dict[tuple, list[int]] = {}
-    for i, c in enumerate(plan.candidates):
-        group = (strategy_label(c), trains_label(c), c.fits)
-        keep.setdefault(group, []).append(i)
-    rows = {idx[0] for idx in keep.values()}  # candidates are ranked fastest first
-    if plan.chosen is not None:
-        rows.add(plan.chosen)
-    return sorted(rows)
+def line_width() -> int:
+    """Width of printed lines: the terminal's (COLUMNS first), at most 120."""
+    columns = shutil.get_terminal_size((120, 24)).columns
+    return min(columns, 120) if columns > 40 else 120
 
 
-def print_plan(plan: Plan, capacity_bytes: int, console=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
+def wrapped(text: str) -> str:
+    """`text` folded to line_width(), continuation lines indented."""
+    return textwrap.fill(text, line_width(), subsequent_indent="  ", break_long_words=False,
+                         break_on_hyphens=False)
 
-    console = console or Console(width=200)
-    n = plan.model.get("num_params")
-    k = plan.model.get("num_trainable_params")
-    trainable = f", {k:,} trainable" if k is not None and k != n else ""
-    peak = max((c.memory.device_total_bytes for c in plan.candidates), default=0)
-    unit, scale = ("GiB", 2**30) if max(peak, capacity_bytes) >= 2**30 else ("MiB", 2**20)
-    fmt = lambda v: f"{v / scale:.2f}"  # noqa: E731
-    size = f"{n / 1e9:.2f}B" if n and n >= 1e8 else f"{(n or 0) / 1e6:.2f}M"
-    title = (f"{plan.model['name']} ({size} params{trainable}) on {plan.gpus} x {plan.hardware}"
-             f"{f' over {plan.nodes} nodes' if plan.nodes > 1 else ''}: {fmt(capacity_bytes)} {unit} per GPU")
-    table = Table(title=title, show_lines=False, pad_edge=False, box=None, header_style="bold")
-    for col, just in (("#", "right"), ("strategy", "left"), ("trains", "left"), ("micro", "right"),
-                      ("accum", "right"), ("total", "right"), ("alloc", "right"), ("params", "right"),
-                      ("grads", "right"), ("optim", "right"), ("activ", "right"), ("buffers", "right"),
-                      ("runtime", "right"), ("host", "right"), ("tokens/s", "right"), ("verdict", "left")):
-        table.add_column(col, justify=just, overflow="fold")
-    rows = shown_rows(plan)
-    for i in rows:
-        c = plan.candidates[i]
-        b = c.memory.breakdown
-        style = "bold green" if i == plan.chosen else (None if c.fits else "red")
-        table.add_row(str(i), strategy_label(c), trains_label(c), str(c.micro_batch_size), str(c.grad_accum_steps),
-                      fmt(c.memory.device_total_bytes), fmt(c.memory.peak_allocated_bytes),
-                      *(fmt(b.get(k, 0)) for k in BREAKDOWN_KEYS), fmt(c.memory.host_bytes),
-                      f"{c.speed.tokens_per_s:,.0f}", "CHOSEN: fastest that fits" if i == plan.chosen else c.reason,
-                      style=style)
-    console.print(table)
-    hidden = len(plan.candidates) - len(rows)
-    if hidden:
-        console.print(f"{hidden} more candidates (other micro-batch sizes of the same strategies) are in "
-                      "plan.json; report=json prints every one.")
-    console.print("trains = what a candidate changes: 'full' fine-tuning, or LoRA/QLoRA adapters on a frozen "
-                  "base (peft; +ckpt = gradient checkpointing).")
-    console.print(f"{unit} per GPU on the worst rank. total = device total as nvidia-smi shows it (peak reserved + "
-                  "CUDA context + NCCL); alloc = max_memory_allocated; params..runtime = breakdown at the peak; "
-                  "host = offloaded bytes per rank.")
-    for note in plan.notes:
-        console.print(f"note: {note}")
-    if plan.chosen is not None:
-        c = plan.candidates[plan.chosen]
-        console.print(f"[bold]chosen:[/bold] #{plan.chosen} {strategy_label(c)} ({trains_label(c)}, "
-                      f"{c.num_trainable_params:,} trainable parameters), micro_batch_size={c.micro_batch_size}, "
-                      f"grad_accum_steps={c.grad_accum_steps}: {fmt(c.memory.device_total_bytes)} {unit} per GPU, "
-                      f"{c.speed.tokens_per_s:,.0f} tokens/s")
-        for note in c.memory.notes:
-            console.print(f"  assumption: {note}")
+
+def shell_block(argv) -> str:
+    """A command folded to line_width() with shell line continuations: it still pastes as one."""
+    from launcher.slurm import shell_word
+
+    lines, line = [], ""
+    for word in (shell_word(a) for a in argv):
+        if line and len(line) + len(word) + 3 > line_width():
+            lines.append(line + " \\")
+            line = "  " + word
+        else:
+            line = f"{line} {word}" if line else word
+    return "\n".join([*lines, line])
+
+
+def print_plan(plan: Plan, capacity_bytes: int, device: str = "cuda", wide: bool = False, console=None) -> None:
+    """The plan as a terminal table (launcher/report_table.py)."""
+    from launcher.report_table import print_plan as print_table
+
+    print_table(plan, capacity_bytes, device=device, wide=wide, console=console)
 
 
 def print_summary(run_dir: Path) -> None:

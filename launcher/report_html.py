@@ -1,0 +1,171 @@
+"""plan.html: the plan as pictures, one self-contained file (Plotly's JavaScript inlined).
+
+Read from the run directory: plan.json (every candidate), and when present measure.json
+(mode=measure) and metrics.jsonl (mode=run; memory/ and timing/ passes of mode=measure). Shows
+1. per candidate, its memory stacked by what holds it, against the device and its usable share;
+2. estimated throughput against memory, the chosen candidate marked;
+3. measured per-rank peaks next to the estimate, loss and throughput per step, after a run;
+4. every candidate's verdict and the chosen one's assumptions.
+Works offline: nothing is loaded from the network.
+"""
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+
+import plotly.graph_objects as go
+
+FILE = "plan.html"
+SEGMENTS = (("parameters", "parameters"), ("gradients", "gradients"), ("optimizer_states", "optimizer states"),
+            ("activations", "activations"), ("buffers", "buffers"), ("allocator_cache", "allocator cache"),
+            ("runtime", "runtime (context, NCCL, workspaces)"))
+COLORS = ("#4c78a8", "#f58518", "#e45756", "#72b7b2", "#54a24b", "#b279a2", "#9d755d")
+
+
+def segments(c: dict) -> dict:
+    """Bytes per stacked segment: the breakdown at the allocated peak, the caching allocator's
+    unused reserve (peak reserved - peak allocated; 0 on CPU processes) and the runtime terms."""
+    m = c["memory"]
+    out = {k: m["breakdown"].get(k, 0) for k, _ in SEGMENTS if k != "allocator_cache"}
+    out["allocator_cache"] = max(0, m["peak_reserved_bytes"] - m["peak_allocated_bytes"])
+    return out
+
+
+def label(i: int, c: dict) -> str:
+    sizes = "".join(f" {k}={c['layout'][k + '_size']}" for k in ("tp", "pp") if c["layout"][k + "_size"] > 1)
+    return f"#{i} {c['strategy']}{sizes} {c['trains_label']} m{c['micro_batch_size']}"
+
+
+def unit(plan: dict) -> tuple[str, float]:
+    top = max([c["memory"]["device_total_bytes"] for c in plan["candidates"]] + [capacity(plan)])
+    return ("GiB", 2.0**30) if top >= 2**30 else ("MiB", 2.0**20)
+
+
+def capacity(plan: dict) -> int:
+    return plan["candidates"][0]["memory"]["capacity_bytes"] if plan["candidates"] else 0
+
+
+def memory_figure(plan: dict, usable: float) -> go.Figure:
+    name, scale = unit(plan)
+    cands = plan["candidates"]
+    x = [label(i, c) for i, c in enumerate(cands)]
+    fig = go.Figure()
+    for (key, title), color in zip(SEGMENTS, COLORS):
+        fig.add_bar(name=title, x=x, y=[segments(c)[key] / scale for c in cands], marker_color=color,
+                    hovertemplate=f"%{{x}}<br>{title}: %{{y:.2f}} {name}<extra></extra>")
+    for value, text, dash, where in ((capacity(plan), "device", "solid", "top right"),
+                                     (usable, "usable", "dash", "bottom left")):
+        fig.add_hline(y=value / scale, line_dash=dash, line_color="black",
+                      annotation_text=f"{text} {value / scale:.2f} {name}", annotation_position=where)
+    fig.update_layout(barmode="stack", title=f"Peak memory per {per(plan)} of every candidate (worst rank)",
+                      yaxis_title=name, xaxis_tickangle=-60, height=620, legend_orientation="h",
+                      legend_y=1.08, margin={"b": 200})
+    return fig
+
+
+def per(plan: dict) -> str:
+    return "CPU process" if plan["device"] == "cpu" else "GPU"
+
+
+def speed_figure(plan: dict, usable: float) -> go.Figure:
+    name, scale = unit(plan)
+    cands = plan["candidates"]
+    fig = go.Figure()
+    for fits, color in ((True, "#4c78a8"), (False, "#e45756")):
+        idx = [i for i, c in enumerate(cands) if c["fits"] == fits]
+        fig.add_scatter(name="fits" if fits else "does not fit", mode="markers", marker_color=color,
+                        x=[cands[i]["memory"]["device_total_bytes"] / scale for i in idx],
+                        y=[cands[i]["speed"]["tokens_per_s"] for i in idx], text=[label(i, cands[i]) for i in idx],
+                        hovertemplate="%{text}<br>%{x:.2f} " + name + ", %{y:,.0f} tokens/s<extra></extra>")
+    if plan["chosen"] is not None:
+        c = cands[plan["chosen"]]
+        fig.add_scatter(name="chosen", mode="markers+text", x=[c["memory"]["device_total_bytes"] / scale],
+                        y=[c["speed"]["tokens_per_s"]], text=[label(plan["chosen"], c)], textposition="top center",
+                        marker={"symbol": "star", "size": 18, "color": "#54a24b", "line": {"width": 1}})
+    fig.add_vline(x=usable / scale, line_dash="dash", annotation_text="usable")
+    fig.update_layout(title="Estimated throughput against memory", xaxis_title=f"{name} per {per(plan)}",
+                      yaxis_title="tokens/s (whole cluster)", height=480)
+    return fig
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+
+
+def measured_figures(run_dir: Path, plan: dict) -> list[go.Figure]:
+    """Measured per-rank peaks next to the estimate; loss and throughput per step."""
+    figs = []
+    name, scale = unit(plan)
+    rows = json.loads((run_dir / "measure.json").read_text())["memory"] if (run_dir / "measure.json").exists() else []
+    metrics = next((m for m in (read_jsonl(run_dir / d / "metrics.jsonl") for d in (".", "memory", "timing")) if m), [])
+    if not rows and metrics and plan["chosen"] is not None:
+        est = plan["candidates"][plan["chosen"]]["memory"]["peak_allocated_bytes"]
+        peaks = [max(r) for r in zip(*(m["peak_allocated_bytes"] for m in metrics if m.get("peak_allocated_bytes")))]
+        rows = [{"rank": r, "estimated_peak_bytes": est, "measured_peak_bytes": p} for r, p in enumerate(peaks)]
+    if rows:
+        fig = go.Figure()
+        ranks = [f"rank {r['rank']}" for r in rows]
+        fig.add_bar(name="estimated", x=ranks, y=[r["estimated_peak_bytes"] / scale for r in rows])
+        fig.add_bar(name="measured", x=ranks, y=[r["measured_peak_bytes"] / scale for r in rows])
+        fig.update_layout(barmode="group", title="Peak allocated memory per rank: estimated and measured",
+                          yaxis_title=name, height=400)
+        figs.append(fig)
+    if metrics:
+        steps = [m["step"] for m in metrics]
+        for key, title in (("loss", "Training loss"), ("tokens_per_s", "Measured throughput (tokens/s)")):
+            fig = go.Figure(go.Scatter(x=steps, y=[m.get(key) for m in metrics], mode="lines+markers", name=key))
+            fig.update_layout(title=title, xaxis_title="step", height=360)
+            figs.append(fig)
+    return figs
+
+
+def verdict_table(plan: dict) -> str:
+    name, scale = unit(plan)
+    head = "".join(f"<th>{h}</th>" for h in ("#", "candidate", f"total {name}", "tokens/s", "verdict"))
+    body = []
+    for i, c in enumerate(plan["candidates"]):
+        verdict = "chosen: fastest that fits" if i == plan["chosen"] else c["reason"]
+        cls = "chosen" if i == plan["chosen"] else ("fits" if c["fits"] else "oom")
+        body.append(f"<tr class='{cls}'><td>{i}</td><td>{html.escape(label(i, c))}</td>"
+                    f"<td>{c['memory']['device_total_bytes'] / scale:.2f}</td>"
+                    f"<td>{c['speed']['tokens_per_s']:,.0f}</td><td>{html.escape(verdict)}</td></tr>")
+    return f"<table id='verdicts'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def notes_html(plan: dict) -> str:
+    items = [f"<li>{html.escape(n)}</li>" for n in plan.get("notes", [])]
+    if plan["chosen"] is not None:
+        items += [f"<li>{html.escape(n)}</li>" for n in plan["candidates"][plan["chosen"]]["memory"]["notes"]]
+    return f"<ul id='assumptions'>{''.join(items)}</ul>"
+
+
+STYLE = """body{font-family:sans-serif;margin:1.5em;color:#222}table{border-collapse:collapse;font-size:13px}
+td,th{border:1px solid #ccc;padding:3px 6px;text-align:left}tr.chosen{background:#dff0d8;font-weight:bold}
+tr.oom{color:#a94442}h1{font-size:1.4em}"""
+
+
+def render(run_dir: Path, safety_margin: float, device: str, results_dir: Path | None = None) -> str:
+    """The HTML text of plan.html for the run directory `run_dir`; measurements are read from
+    `results_dir` (default `run_dir`; a fallback attempt's directory after an out-of-memory)."""
+    plan = {**json.loads((run_dir / "plan.json").read_text()), "device": device}
+    usable = capacity(plan) * (1 - safety_margin)
+    figs = [("memory", memory_figure(plan, usable)), ("speed", speed_figure(plan, usable))]
+    figs += [(f"measured-{k}", f) for k, f in enumerate(measured_figures(results_dir or run_dir, plan))]
+    parts = [f.to_html(full_html=False, include_plotlyjs="inline" if k == 0 else False, div_id=name,
+                       config={"displaylogo": False}) for k, (name, f) in enumerate(figs)]
+    chosen = plan["chosen"]
+    headline = ("no candidate fits" if chosen is None else
+                f"chosen: {html.escape(label(chosen, plan['candidates'][chosen]))}")
+    where = f"{plan['gpus']} CPU processes" if device == "cpu" else f"{plan['gpus']} x {plan['hardware']}"
+    title = f"{plan['model']['name']} on {where}"
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}: {headline}</h1>{''.join(parts)}"
+            f"<h2>Why each candidate won or lost</h2>{verdict_table(plan)}"
+            f"<h2>Notes and assumptions</h2>{notes_html(plan)}</body></html>")
+
+
+def write(run_dir: Path, safety_margin: float, device: str, results_dir: Path | None = None) -> Path:
+    path = run_dir / FILE
+    path.write_text(render(run_dir, safety_margin, device, results_dir))
+    return path

@@ -1,0 +1,150 @@
+"""The plan as a terminal table: one row per strategy, 120 columns; `report=wide` every column.
+
+Each row is a strategy layout and training variant (`strategy_label`, `trains_label`): its
+fastest candidate that fits, or, when none does, its smallest one and why it does not fit. The
+micro-batch sizes planned for it are summarised in `sizes` (how many fit); plan.json and
+plan.html hold every candidate.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+
+from launcher.report import BREAKDOWN_KEYS, strategy_label, trains_label
+from launcher.types import Candidate, Plan
+
+WIDTH = 120
+"""Widest line of the default table when the terminal does not say otherwise."""
+
+
+def strategy_rows(plan: Plan) -> list[tuple[int, list[int]]]:
+    """(shown candidate, every candidate of its group) per strategy, in rank order of the shown
+    one: the fastest that fits (the chosen one for its group), else the smallest that does not."""
+    groups: dict[tuple, list[int]] = {}
+    for i, c in enumerate(plan.candidates):
+        groups.setdefault((strategy_label(c), trains_label(c)), []).append(i)
+    rows = []
+    for members in groups.values():
+        fitting = [i for i in members if plan.candidates[i].fits]
+        if plan.chosen in members:
+            shown = plan.chosen
+        elif fitting:
+            shown = fitting[0]  # candidates are ranked fastest first
+        else:
+            shown = min(members, key=lambda i: plan.candidates[i].memory.device_total_bytes)
+        rows.append((shown, members))
+    return sorted(rows, key=lambda r: (not plan.candidates[r[0]].fits, r[0]))
+
+
+def short_verdict(c: Candidate, chosen: bool) -> str:
+    """The planner's reason in a few words; report=wide prints it whole."""
+    if chosen:
+        return "chosen: fastest that fits"
+    r = c.reason
+    if m := re.match(r"fits; lost on speed: ([\d.]+)x slower", r):
+        return f"{float(m.group(1)):.2f}x slower"
+    if r.startswith("fits; not launchable"):
+        return "fits; not launchable here"
+    if m := re.match(r"fits; trains (\S+) instead of (\S+)", r):
+        return f"fits; trains {m.group(1)}, not {m.group(2)}"
+    if m := re.match(r"OOM: ([\d.]+ \w+) > ([\d.]+ \w+) usable", r):
+        return f"OOM: {m.group(1)} > {m.group(2)}"
+    if r.startswith("host RAM"):
+        return "offload exceeds host RAM"
+    return r
+
+
+def sizes(plan: Plan, members: list[int]) -> str:
+    """'3/5 fit' and the largest micro-batch that fits: the micro-batch variants in a word."""
+    fit = [plan.candidates[i].micro_batch_size for i in members if plan.candidates[i].fits]
+    return f"{len(fit)}/{len(members)} fit" + (f", <={max(fit)}" if fit else "")
+
+
+def unit_for(plan: Plan, capacity_bytes: int) -> tuple[str, int]:
+    peak = max((c.memory.device_total_bytes for c in plan.candidates), default=0)
+    return ("GiB", 2**30) if max(peak, capacity_bytes) >= 2**30 else ("MiB", 2**20)
+
+
+def title(plan: Plan, capacity_bytes: int, device: str) -> str:
+    unit, scale = unit_for(plan, capacity_bytes)
+    n = plan.model.get("num_params")
+    k = plan.model.get("num_trainable_params")
+    trainable = f", {k:,} trainable" if k is not None and k != n else ""
+    size = f"{n / 1e9:.2f}B" if n and n >= 1e8 else f"{(n or 0) / 1e6:.2f}M"
+    where = (f"{plan.gpus} CPU processes ({plan.hardware} profile)" if device == "cpu"
+             else f"{plan.gpus} x {plan.hardware}")
+    each = "per process" if device == "cpu" else "per GPU"
+    nodes = f" over {plan.nodes} nodes" if plan.nodes > 1 else ""
+    return (f"{plan.model['name']} ({size} params{trainable}) on {where}{nodes}: "
+            f"{capacity_bytes / scale:.2f} {unit} {each}")
+
+
+def build_table(plan: Plan, capacity_bytes: int, device: str, wide: bool):
+    from rich.table import Table
+
+    unit, scale = unit_for(plan, capacity_bytes)
+    fmt = lambda v: f"{v / scale:.2f}"  # noqa: E731
+    table = Table(title=title(plan, capacity_bytes, device), box=None, pad_edge=False, header_style="bold",
+                  title_justify="left")
+    columns = [("#", "right"), ("strategy", "left"), ("trains", "left"), ("micro", "right"),
+               ("accum", "right"), (f"total {unit}", "right"), ("alloc", "right")]
+    if wide:
+        columns += [("params", "right"), ("grads", "right"), ("optim", "right"), ("activ", "right"),
+                    ("buffers", "right"), ("runtime", "right")]
+    columns += [("host", "right"), ("tokens/s", "right"), ("sizes", "left"), ("verdict", "left")]
+    for name, just in columns:
+        table.add_column(name, justify=just, overflow="fold" if wide else "ellipsis",
+                         no_wrap=not wide and name != "verdict")
+    for i, members in strategy_rows(plan):
+        c = plan.candidates[i]
+        m = c.memory
+        style = "bold green" if i == plan.chosen else (None if c.fits else "red")
+        cells = [str(i), strategy_label(c), trains_label(c), str(c.micro_batch_size), str(c.grad_accum_steps),
+                 fmt(m.device_total_bytes), fmt(m.peak_allocated_bytes)]
+        if wide:
+            cells += [fmt(m.breakdown.get(k, 0)) for k in BREAKDOWN_KEYS]
+        verdict = ("CHOSEN: fastest that fits" if i == plan.chosen else c.reason) if wide \
+            else short_verdict(c, i == plan.chosen)
+        cells += [fmt(m.host_bytes), f"{c.speed.tokens_per_s:,.0f}", sizes(plan, members), verdict]
+        table.add_row(*cells, style=style)
+    return table
+
+
+def legend(plan: Plan, unit: str, device: str, wide: bool) -> list[str]:
+    each = "per CPU process" if device == "cpu" else "per GPU"
+    total = ("total = peak live tensor bytes (on CPU processes allocated = reserved = total)" if device == "cpu"
+             else "total = device total as nvidia-smi shows it (peak reserved + CUDA context + NCCL)")
+    lines = [f"{unit} {each} on the worst rank. {total}; alloc = max_memory_allocated; "
+             "host = offloaded bytes per rank.",
+             "One row per strategy: its fastest candidate that fits, or its smallest and why it does not fit. "
+             "sizes = micro-batch sizes planned and how many fit (<= the largest that fits).",
+             "trains = 'full' fine-tuning, or LoRA/QLoRA adapters on a frozen base (+ckpt = gradient checkpointing)."]
+    if wide:
+        lines.insert(1, "params..runtime = breakdown at the peak.")
+    else:
+        lines.append("Every candidate, memory breakdown and full verdict: plan.html, plan.json; report=wide prints "
+                     "every column.")
+    return lines
+
+
+def print_plan(plan: Plan, capacity_bytes: int, device: str = "cuda", wide: bool = False, console=None) -> None:
+    from rich.console import Console
+
+    if console is None:
+        columns = shutil.get_terminal_size((WIDTH, 24)).columns
+        console = Console(width=max(columns, 220) if wide else min(columns, WIDTH) if columns > 40 else WIDTH)
+    unit, scale = unit_for(plan, capacity_bytes)
+    console.print(build_table(plan, capacity_bytes, device, wide))
+    for line in legend(plan, unit, device, wide):
+        console.print(line)
+    for note in plan.notes:
+        console.print(f"note: {note}")
+    if plan.chosen is not None:
+        c = plan.candidates[plan.chosen]
+        each = "per process" if device == "cpu" else "per GPU"
+        console.print(f"[bold]chosen:[/bold] #{plan.chosen} {strategy_label(c)} ({trains_label(c)}, "
+                      f"{c.num_trainable_params:,} trainable parameters), micro_batch_size={c.micro_batch_size}, "
+                      f"grad_accum_steps={c.grad_accum_steps}: {c.memory.device_total_bytes / scale:.2f} {unit} "
+                      f"{each}, {c.speed.tokens_per_s:,.0f} tokens/s")
+        for note in c.memory.notes:
+            console.print(f"  assumption: {note}")
