@@ -184,7 +184,8 @@ def test_plan_html_renders_in_chromium(bloom, tmp_path):
     assert facts["memory"] == [n] * 7  # one stacked bar per candidate, seven segments each
     assert sorted(facts["legend"]) == sorted(SEGMENT_NAMES)
     assert facts["speed_points"] == n + 1  # every candidate, and the chosen one's star
-    assert facts["chosen_label"] == [f"#{plan['chosen']} ddp full m4"]
+    chosen = plan["candidates"][plan["chosen"]]
+    assert facts["chosen_label"] == [f"#{plan['chosen']} {chosen['strategy']} full m{chosen['micro_batch_size']}"]
     assert facts["verdict_rows"] == n and facts["measured"] == [] and facts["curves"] == []
     not_blank(tmp_path / "plan.png")
 
