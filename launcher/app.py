@@ -91,6 +91,9 @@ def problems(c: LauncherConfig, argv: list[str] | None = None) -> list[str]:
         m, dp = t.micro_batch_size, c.gpus
         out.append(f"training.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size x "
                    f"data-parallel size = {m} x {dp}; try training.global_batch_size={m * dp * max(1, t.global_batch_size // (m * dp))}")
+    if c.strategy.name == "single" and c.gpus > 1:
+        out.append(f"strategy=single runs one process without a data-parallel wrapper; with gpus={c.gpus} "
+                   "use strategy=ddp (or auto)")
     if t.learning_rate <= 0:
         out.append(f"training.learning_rate={t.learning_rate}: must be positive")
     if not 0 <= c.planner.safety_margin < 1:

@@ -57,3 +57,18 @@ def test_fine_tunes_through_the_launcher(cli, strategy):
     _LOSSES[strategy] = losses
     if strategy != "ddp" and "ddp" in _LOSSES:
         assert losses == pytest.approx(_LOSSES["ddp"], abs=2e-2)
+
+
+def test_single_process_unwrapped_measures_as_estimated(cli):
+    """strategy=single: one process, the model not wrapped by DDP (no gradient buckets); the planner
+    and the worker agree, and the measured peak is the estimate within 1%."""
+    r = cli("model=tiny-llama", "hardware=cpu", "gpus=1", "mode=measure", "strategy=single",
+            "training.micro_batch_size=2", "training.seq_len=64", "training.max_steps=4",
+            "training.precision=32-true", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (run_dir,) = (cli.cwd / "runs").glob("*/*")
+    measured = json.loads((run_dir / "measure.json").read_text())
+    assert measured["strategy"] == "single" and measured["world_size"] == 1
+    assert measured["max_abs_memory_error_percent"] <= 1.0
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["strategy"] == "single"

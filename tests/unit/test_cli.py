@@ -18,6 +18,7 @@ BAD = [
     (["model=tiny-llama", "gpus=4", "training.micro_batch_size=2", "training.global_batch_size=6",
       "strategy=ddp"], "global_batch_size=6", "divisible"),
     (["model=custom", "model.config_path=/nonexistent/config.json"], "model.config_path", "no such file"),
+    (["model=tiny-llama", "gpus=2", "strategy=single", "training.seq_len=128"], "strategy=single", "ddp"),
 ]
 
 
