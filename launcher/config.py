@@ -229,6 +229,10 @@ class PeftConfig:
     """QLoRA: quantize the absmax constants again (bnb_4bit_use_double_quant)."""
     compute_dtype: ComputeDtype = ComputeDtype["bfloat16"]  # type: ignore[valid-type]
     """QLoRA: dtype the frozen base computes (and is kept) in, except its 4-bit Linear weights."""
+    upcast_non_quantized: bool = True
+    """QLoRA: run peft's prepare_model_for_kbit_training, as HF Trainer, TRL and Axolotl QLoRA recipes
+    do: every 16-bit parameter that is not 4-bit (embeddings, norms, LM head) becomes fp32, and so do
+    the hidden states and logits. false = keep them in compute_dtype (torchtune's QLoRA)."""
 
 
 @dataclass

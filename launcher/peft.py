@@ -37,6 +37,8 @@ class LoraSettings:
     quant_type: Optional[str] = None  # None (LoRA) | 'nf4' | 'fp4' (QLoRA)
     double_quant: bool = True
     compute_dtype: str = "bfloat16"  # QLoRA: dtype of the frozen base (except 4-bit weights)
+    # QLoRA: peft.prepare_model_for_kbit_training casts every 16-bit parameter that is not 4-bit to fp32
+    upcast_non_quantized: bool = True
 
     @property
     def method(self) -> str:
@@ -72,7 +74,8 @@ def settings_from_config(peft_config) -> Optional[LoraSettings]:
                         target_modules=tm,
                         quant_type=peft_config.quant_type.name if method == "qlora" else None,
                         double_quant=peft_config.double_quant,
-                        compute_dtype=peft_config.compute_dtype.name)
+                        compute_dtype=peft_config.compute_dtype.name,
+                        upcast_non_quantized=peft_config.upcast_non_quantized)
 
 
 def default_target_modules(model_type: str) -> list[str]:
@@ -160,6 +163,30 @@ def quantizable_linears(model) -> list:
             if type(m) is torch.nn.Linear and should_convert_module(name, skip)]
 
 
+def upcast_non_quantized(model, quantized) -> None:
+    """What `peft.prepare_model_for_kbit_training` does to dtypes (peft/utils/other.py: "cast all
+    non INT8 parameters to fp32": every fp16/bf16 parameter that is not a bitsandbytes `Params4bit`
+    becomes fp32): embeddings, norms, biases, the LM head and, with them, the hidden states and
+    logits they produce. `quantized`: the stand-in's weights, which bitsandbytes would hold as
+    Params4bit and which therefore stay as they are."""
+    import torch
+
+    skip = {id(w) for w in quantized}
+    for param in model.parameters():
+        if param.dtype in (torch.float16, torch.bfloat16) and id(param) not in skip:
+            param.data = param.data.to(torch.float32)
+
+
+def expert_parameters(model) -> list:
+    """Mixture-of-experts weights stored as one 3D parameter per projection ([num_experts, out, in]:
+    transformers 5's `MixtralExperts.gate_up_proj` / `down_proj` and their kind). QLoRA quantizes
+    each expert's matrix as bitsandbytes quantizes the per-expert Linear weights of the 2D layout
+    (transformers 4's `MixtralBlockSparseTop2MLP.w1/w2/w3` are Linear4bit there), so the 4-bit bytes
+    are per expert (launcher/quant.py `four_bit_weight_bytes` x num_experts)."""
+    return [p for name, module in model.named_modules() if name.rsplit(".", 1)[-1] == "experts"
+            for p in module.parameters(recurse=False) if p.dim() == 3]
+
+
 def _dequant_linear():
     """The stand-in for bitsandbytes' MatMul4Bit (module docstring)."""
     import torch
@@ -195,12 +222,13 @@ def qlora_stand_in(linears) -> list:
     return [m.weight for m in linears]
 
 
-def four_bit_storage_bytes(numel: int, settings: LoraSettings) -> int:
-    """Bytes of one 4-bit weight with its constants (launcher/quant.py, bitsandbytes layout)."""
+def four_bit_storage_bytes(numel: int, settings: LoraSettings, num_matrices: int = 1) -> int:
+    """Bytes of a 4-bit weight with its constants (launcher/quant.py, bitsandbytes layout);
+    `num_matrices`: a 3D expert parameter holds that many matrices, each quantized on its own."""
     from launcher import quant
 
-    return quant.four_bit_weight_bytes(numel, QUANT_BLOCKSIZE, settings.double_quant,
-                                       quant_type=settings.quant_type)["total_bytes"]
+    return num_matrices * quant.four_bit_weight_bytes(numel // num_matrices, QUANT_BLOCKSIZE, settings.double_quant,
+                                                      quant_type=settings.quant_type)["total_bytes"]
 
 
 # ----------------------------------------------------------------------------- planning
@@ -281,6 +309,7 @@ def trace_fields(lora: Optional[LoraSettings], backend: str, request: dict) -> d
            "adapter_autocast": backend != "deepspeed"}
     if lora.quant_type is not None:
         out["param_dtype"] = lora.compute_dtype
+        out["kbit_upcast"] = lora.upcast_non_quantized
     return {**request, **out}
 
 

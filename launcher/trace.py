@@ -74,6 +74,7 @@ class TraceKey:
     lora_target_modules: tuple = ()  # () = PEFT's default for the architecture
     quant_type: Optional[str] = None  # None | 'nf4' | 'fp4': QLoRA 4-bit base (see trace_step)
     double_quant: bool = False
+    kbit_upcast: bool = False  # QLoRA: non-4-bit parameters cast to fp32 (peft prepare_model_for_kbit_training)
     adapter_autocast: bool = True  # peft autocast_adapter_dtype (fp32 adapters on a 16-bit model)
     tp_size: int = 1  # >1: trace one tensor-parallel rank's shard model (`tp_shard_config`)
 
@@ -98,7 +99,7 @@ class TraceKey:
         return LoraSettings(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout,
                             target_modules=tuple(self.lora_target_modules) or None,
                             quant_type=self.quant_type, double_quant=self.double_quant,
-                            compute_dtype=self.param_dtype)
+                            compute_dtype=self.param_dtype, upcast_non_quantized=self.kbit_upcast)
 
 
 def _check(value, allowed, name):
@@ -342,9 +343,12 @@ def _apply_lora(model, key: TraceKey):
 
     settings = key.lora_settings()
     linears = lp.quantizable_linears(model) if key.quant_type else []
+    experts = lp.expert_parameters(model) if key.quant_type else []
+    if key.kbit_upcast:
+        lp.upcast_non_quantized(model, [m.weight for m in linears] + experts)
     with lp.fake_tensor_adapter_moves():
         model = lp.apply_lora(model, settings, autocast_adapter_dtype=key.adapter_autocast)
-    return model, lp.qlora_stand_in(linears)
+    return model, lp.qlora_stand_in(linears) + experts
 
 
 def _four_bit_rows(nbytes: list, quantized, rec: _Recorder, key: TraceKey) -> None:
@@ -353,8 +357,9 @@ def _four_bit_rows(nbytes: list, quantized, rec: _Recorder, key: TraceKey) -> No
     from launcher.peft import four_bit_storage_bytes
 
     settings = key.lora_settings()
-    for w in quantized:
-        nbytes[rec.row(w, create=False)] = four_bit_storage_bytes(w.numel(), settings)
+    for w in quantized:  # a 3D expert parameter: one 4-bit matrix per expert
+        nbytes[rec.row(w, create=False)] = four_bit_storage_bytes(w.numel(), settings,
+                                                                  w.shape[0] if w.dim() == 3 else 1)
 
 
 def _watch_layers(model, num_layers: int, rec: _Recorder, marks: dict) -> None:
@@ -570,6 +575,8 @@ def cache_key(key: TraceKey) -> str:
     from importlib.metadata import version
 
     fields = dataclasses.asdict(key)
+    if not fields.get("kbit_upcast"):  # keys without the QLoRA fp32 upcast hash as before it existed
+        fields.pop("kbit_upcast", None)
     if fields.get("tp_size") == 1:  # keys without tensor parallelism hash as before tp_size existed
         del fields["tp_size"]
     else:  # the shard layout (vocabulary padding multiple, `tp_padded_vocab`) is part of the trace

@@ -100,12 +100,19 @@ def lora_settings(spec):
 
 def apply_peft(model, spec, lora):
     """The same peft.LoraConfig the estimator traced (launcher/peft.py). QLoRA first replaces the
-    base Linears by bitsandbytes 4-bit ones on the GPU. DeepSpeed casts the whole module to its
-    16-bit dtype itself, so peft keeps the adapters in the model's dtype there."""
+    base Linears by bitsandbytes 4-bit ones on the GPU and, unless `upcast_non_quantized` is off,
+    runs peft's `prepare_model_for_kbit_training` as HF's QLoRA recipes do (every other 16-bit
+    parameter becomes fp32). DeepSpeed casts the whole module to its 16-bit dtype itself, so peft
+    keeps the adapters in the model's dtype there."""
     from launcher.peft import apply_lora, quantize_base_4bit
 
     if lora.quant_type is not None:
         model = quantize_base_4bit(model, lora)
+        if lora.upcast_non_quantized:
+            from peft import prepare_model_for_kbit_training
+
+            # checkpointing is enabled by the worker itself (launcher/worker/model.py build_model)
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     return apply_lora(model, lora, autocast_adapter_dtype=spec.backend != "deepspeed")
 
 

@@ -134,3 +134,48 @@ def test_qlora_base_weights_are_stored_four_bit(quant_type, double_quant):
     g4, g16 = t4.nbytes[t4.kind == Kind.GRAD], t16.nbytes[t16.kind == Kind.GRAD]
     assert sorted(g4.tolist()) == sorted(g16.tolist())
     assert t4.live_curve().max() < t16.live_curve().max()
+
+
+def test_qlora_upcast_is_peft_prepare_model_for_kbit_training():
+    """With `kbit_upcast` every parameter that is not 4-bit has the dtype peft's own
+    prepare_model_for_kbit_training gives it on a real model (fp32); without, the compute dtype."""
+    from peft import prepare_model_for_kbit_training
+
+    k = lora_key(param_dtype="bfloat16", optimizer="none", quant_type="nf4", kbit_upcast=True)
+    t_up, t_plain = tr.trace_step(k), tr.trace_step(dataclasses.replace(k, kbit_upcast=False))
+    real = transformers.AutoModelForCausalLM.from_config(llama(), dtype=torch.bfloat16)
+    real = prepare_model_for_kbit_training(real, use_gradient_checkpointing=False)
+    real_dtypes = {n: p.element_size() for n, p in real.named_parameters()}
+    checked = 0
+    for t, plain in ((t_up, False), (t_plain, True)):
+        p = t.params
+        for i, name in enumerate(p.names):
+            base = name.removeprefix("base_model.model.").replace(".base_layer", "")
+            if p.trainable[i] or base.endswith("proj.weight"):  # adapters; 4-bit base Linears
+                continue
+            assert p.element_size[i] == (2 if plain else real_dtypes[base]), name
+            checked += 1
+    assert checked >= 2 * (2 + 2 * 2 + 1)  # embed, lm_head, 2 norms per layer, final norm
+
+
+def test_moe_experts_are_four_bit_per_expert():
+    """QLoRA of a transformers-5 MoE (experts as 3D parameters): each expert's matrix holds the bytes
+    bitsandbytes' quantize_4bit produces for one matrix of that shape."""
+    bnb_functional = pytest.importorskip("bitsandbytes.functional")
+    cfg = transformers.MixtralConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=VOCAB, num_hidden_layers=2,
+                                     num_local_experts=4, num_experts_per_tok=2)
+    k = lora_key(cfg, param_dtype="bfloat16", optimizer="none", quant_type="nf4", double_quant=True,
+                 lora_target_modules=("q_proj", "v_proj"))
+    t = tr.trace_step(k)
+    p = t.params
+    rows = {int(i): r for r, i in enumerate(t.param) if t.kind[r] == Kind.PARAM}
+    experts = [i for i, n in enumerate(p.names) if ".experts." in n]
+    assert len(experts) == 2 * 2  # gate_up_proj and down_proj in each layer
+    for i in experts:
+        one = int(p.numel[i]) // 4
+        packed, state = bnb_functional.quantize_4bit(torch.randn(one, dtype=torch.bfloat16), blocksize=64,
+                                                     compress_statistics=True, quant_type="nf4")
+        per_matrix = sum(x.untyped_storage().nbytes() for x in
+                         (packed, state.absmax, state.code, state.state2.absmax, state.state2.code, state.offset))
+        assert t.nbytes[rows[i]] == 4 * per_matrix, p.names[i]
