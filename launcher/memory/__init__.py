@@ -232,7 +232,7 @@ def _estimate(traces: TraceSet, layouts: list, notes, gathered, extra: dict, clu
                               tuple(notes) + CPU_NOTES)
     workspace = runtime.cublas_workspace_bytes(cluster.sm_arch)
     allocated = total[phase] + workspace
-    reserved = peak_reserved_bytes(layouts, traces.num_layers, cluster.sm_arch, gathered_bytes)
+    reserved = peak_reserved_bytes(layouts, traces.num_layers, cluster.sm_arch, gathered_bytes, allocated)
     reserved = max(reserved, allocated)
     outside = runtime.cuda_context_bytes(cluster.cuda_context_bytes) + runtime.nccl_bytes(dp_size)
     bd["runtime"] = workspace + outside

@@ -33,9 +33,19 @@ def allocation_events(layout: Layout, sm_arch: int) -> list[tuple]:
 
 
 def peak_reserved_bytes(layouts: list[Layout], num_layers: int, sm_arch: int,
-                        extra_bytes: int = 0) -> int:
-    """Peak reserved at the two traced depths, extrapolated; `extra_bytes` (full-depth storages not on the
-    per-depth curve) are added rounded up to whole 2 MiB large-pool segments."""
-    peaks = [replay(allocation_events(lay, sm_arch)).peak_reserved for lay in layouts]
+                        extra_bytes: int = 0, peak_allocated_bytes: int = 0) -> int:
+    """Peak reserved of the full-depth step: the larger of
+    - the peak reserved at the two traced depths, extrapolated in depth (`extra_bytes`, full-depth
+      storages not on the per-depth curve, added rounded up to whole 2 MiB large-pool segments);
+    - the full-depth peak allocated plus the cache the deeper replay holds above its own peak
+      allocated. Segments are never returned, so what the cache holds above the live bytes comes
+      from blocks that no later request could reuse: mostly the depth-independent large ones
+      (embedding and LM-head outputs, the loss's logits copies, optimizer-step temporaries),
+      which a decoder layer's same-sized blocks do not fill. The held cache therefore carries to
+      full depth instead of scaling with it (the per-depth extrapolation alone drops it where
+      the peak allocated moves to another phase at full depth)."""
+    replays = [replay(allocation_events(lay, sm_arch)) for lay in layouts]
     extra = -(-extra_bytes // ROUND_LARGE) * ROUND_LARGE
-    return extrapolate_layouts(layouts, peaks, num_layers) + extra
+    extrapolated = extrapolate_layouts(layouts, [r.peak_reserved for r in replays], num_layers) + extra
+    held = replays[-1].peak_reserved - replays[-1].peak_allocated
+    return max(extrapolated, peak_allocated_bytes + held)
