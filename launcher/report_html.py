@@ -37,9 +37,22 @@ def label(i: int, c: dict) -> str:
     return f"#{i} {c['strategy']}{sizes} {c['trains_label']} m{c['micro_batch_size']}"
 
 
-def unit(plan: dict) -> tuple[str, float]:
-    top = max([c["memory"]["device_total_bytes"] for c in plan["candidates"]] + [capacity(plan)])
+def unit_of(top: float) -> tuple[str, float]:
     return ("GiB", 2.0**30) if top >= 2**30 else ("MiB", 2.0**20)
+
+
+def largest(plan: dict) -> int:
+    return max([c["memory"]["device_total_bytes"] for c in plan["candidates"]], default=0)
+
+
+def off_scale(plan: dict, usable: float) -> bool:
+    """The usable memory is far above every candidate (CPU processes): drawing it would flatten
+    every bar, so the charts are scaled to the candidates and say where the limit is."""
+    return usable > 2 * largest(plan) > 0
+
+
+def unit(plan: dict, usable: float = 0) -> tuple[str, float]:
+    return unit_of(largest(plan) if off_scale(plan, usable) else max(largest(plan), capacity(plan)))
 
 
 def capacity(plan: dict) -> int:
@@ -47,18 +60,22 @@ def capacity(plan: dict) -> int:
 
 
 def memory_figure(plan: dict, usable: float) -> go.Figure:
-    name, scale = unit(plan)
+    name, scale = unit(plan, usable)
     cands = plan["candidates"]
     x = [label(i, c) for i, c in enumerate(cands)]
     fig = go.Figure()
     for (key, title), color in zip(SEGMENTS, COLORS):
         fig.add_bar(name=title, x=x, y=[segments(c)[key] / scale for c in cands], marker_color=color,
                     hovertemplate=f"%{{x}}<br>{title}: %{{y:.2f}} {name}<extra></extra>")
-    for value, text, dash, where in ((capacity(plan), "device", "solid", "top right"),
-                                     (usable, "usable", "dash", "bottom left")):
-        fig.add_hline(y=value / scale, line_dash=dash, line_color="black",
-                      annotation_text=f"{text} {value / scale:.2f} {name}", annotation_position=where)
-    fig.update_layout(barmode="stack", title=f"Peak memory per {per(plan)} of every candidate (worst rank)",
+    title = f"Peak memory per {per(plan)} of every candidate (worst rank)"
+    if off_scale(plan, usable):
+        title += f"; usable {usable / 2**30:.2f} GiB, above every candidate"
+    else:
+        for value, text, dash, where in ((capacity(plan), "device", "solid", "top right"),
+                                         (usable, "usable", "dash", "bottom left")):
+            fig.add_hline(y=value / scale, line_dash=dash, line_color="black",
+                          annotation_text=f"{text} {value / scale:.2f} {name}", annotation_position=where)
+    fig.update_layout(barmode="stack", title=title,
                       yaxis_title=name, xaxis_tickangle=-60, height=620, legend_orientation="h",
                       legend_y=1.08, margin={"b": 200})
     return fig
@@ -69,7 +86,7 @@ def per(plan: dict) -> str:
 
 
 def speed_figure(plan: dict, usable: float) -> go.Figure:
-    name, scale = unit(plan)
+    name, scale = unit(plan, usable)
     cands = plan["candidates"]
     fig = go.Figure()
     for fits, color in ((True, "#4c78a8"), (False, "#e45756")):
@@ -83,7 +100,8 @@ def speed_figure(plan: dict, usable: float) -> go.Figure:
         fig.add_scatter(name="chosen", mode="markers+text", x=[c["memory"]["device_total_bytes"] / scale],
                         y=[c["speed"]["tokens_per_s"]], text=[label(plan["chosen"], c)], textposition="top center",
                         marker={"symbol": "star", "size": 18, "color": "#54a24b", "line": {"width": 1}})
-    fig.add_vline(x=usable / scale, line_dash="dash", annotation_text="usable")
+    if not off_scale(plan, usable):
+        fig.add_vline(x=usable / scale, line_dash="dash", annotation_text="usable")
     fig.update_layout(title="Estimated throughput against memory", xaxis_title=f"{name} per {per(plan)}",
                       yaxis_title="tokens/s (whole cluster)", height=480)
     return fig
@@ -96,7 +114,6 @@ def read_jsonl(path: Path) -> list[dict]:
 def measured_figures(run_dir: Path, plan: dict) -> list[go.Figure]:
     """Measured per-rank peaks next to the estimate; loss and throughput per step."""
     figs = []
-    name, scale = unit(plan)
     rows = json.loads((run_dir / "measure.json").read_text())["memory"] if (run_dir / "measure.json").exists() else []
     metrics = next((m for m in (read_jsonl(run_dir / d / "metrics.jsonl") for d in (".", "memory", "timing")) if m), [])
     if not rows and metrics and plan["chosen"] is not None:
@@ -104,6 +121,7 @@ def measured_figures(run_dir: Path, plan: dict) -> list[go.Figure]:
         peaks = [max(r) for r in zip(*(m["peak_allocated_bytes"] for m in metrics if m.get("peak_allocated_bytes")))]
         rows = [{"rank": r, "estimated_peak_bytes": est, "measured_peak_bytes": p} for r, p in enumerate(peaks)]
     if rows:
+        name, scale = unit_of(max(max(r["estimated_peak_bytes"], r["measured_peak_bytes"]) for r in rows))
         fig = go.Figure()
         ranks = [f"rank {r['rank']}" for r in rows]
         fig.add_bar(name="estimated", x=ranks, y=[r["estimated_peak_bytes"] / scale for r in rows])
@@ -115,13 +133,13 @@ def measured_figures(run_dir: Path, plan: dict) -> list[go.Figure]:
         steps = [m["step"] for m in metrics]
         for key, title in (("loss", "Training loss"), ("tokens_per_s", "Measured throughput (tokens/s)")):
             fig = go.Figure(go.Scatter(x=steps, y=[m.get(key) for m in metrics], mode="lines+markers", name=key))
-            fig.update_layout(title=title, xaxis_title="step", height=360)
+            fig.update_layout(title=title, xaxis_title="step", height=360, xaxis_dtick=max(1, len(steps) // 10))
             figs.append(fig)
     return figs
 
 
 def verdict_table(plan: dict) -> str:
-    name, scale = unit(plan)
+    name, scale = unit_of(largest(plan))
     head = "".join(f"<th>{h}</th>" for h in ("#", "candidate", f"total {name}", "tokens/s", "verdict"))
     body = []
     for i, c in enumerate(plan["candidates"]):
