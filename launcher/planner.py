@@ -160,13 +160,18 @@ def unsupported(strategy: Strategy, config: LauncherConfig, cluster: Cluster, sp
 COLOSSALAI_CPU_COMPAT_ENV = "LAUNCHER_COLOSSALAI_TEST_PRELOAD"  # launcher/worker/colossalai_backend.py
 
 
-def launch_problem(strategy: Strategy, spec: ModelSpec) -> str:
-    """Why a candidate that fits cannot be launched with the installed libraries, or ''. It stays in
+def launch_problem(strategy: Strategy, spec: ModelSpec, peft: dict | None = None) -> str:
+    """Why a candidate that fits cannot be launched with the installed libraries, or ''. QLoRA of a
+    mixture of experts whose experts are 3D parameters: the estimate quantizes them per expert
+    (launcher/peft.py `expert_parameters`), the worker's bitsandbytes conversion covers nn.Linear only. It stays in
     the plan as an estimate but is never chosen. ColossalAI 0.5.0's shardformer forwards target
     transformers 4.51; on transformers 5 the worker supplies tensor-parallel forwards for Llama
     only (launcher/worker/colossalai_transformers.py). A vocabulary that tp does not divide is
     padded, and ColossalAI 0.5.0 cannot checkpoint a padded layer's optimizer state
     (launcher/emit/colossalai.py `vocab_multiple`)."""
+    if (peft or {}).get("quant_type") and any(spec.hf_config.get(k) for k in ("num_local_experts", "num_experts")):
+        return ("QLoRA of 3D expert parameters: estimated 4-bit per expert, but the worker's bitsandbytes "
+                "conversion quantizes nn.Linear only: estimate only")
     if strategy.backend != "colossalai" or (strategy.tp_size == 1 and strategy.pp_size == 1):
         return ""
     if spec.vocab_size % strategy.tp_size:
@@ -340,7 +345,7 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster) -> Plan:
     asked = variants[0].trains
     ranked = sorted(candidates, key=lambda c: (not c.fits, c.trains != asked, -c.speed.tokens_per_s,
                                                c.memory.device_total_bytes))
-    chosen = next((i for i, c in enumerate(ranked) if c.fits and not launch_problem(c.strategy, spec)), None)
+    chosen = next((i for i, c in enumerate(ranked) if c.fits and not launch_problem(c.strategy, spec, c.peft)), None)
     ranked = [explain_loss(c, ranked[chosen] if chosen is not None else None, spec) if i != chosen else c
               for i, c in enumerate(ranked)]
     notes += plan_notes(config, cluster, chosen, any(c.fits for c in ranked))
@@ -364,7 +369,7 @@ def explain_loss(c: Candidate, best: Candidate | None, spec: ModelSpec) -> Candi
     """Say why a fitting candidate lost against the chosen one."""
     if not c.fits:
         return c
-    why = launch_problem(c.strategy, spec)
+    why = launch_problem(c.strategy, spec, c.peft)
     if why:
         return replace(c, reason=f"fits; not launchable: {why}")
     if best is None:
