@@ -4,7 +4,8 @@
 (accelerate/commands/config/config_args.py `ClusterConfig`; every key is one of its fields).
 A DeepSpeed candidate points `deepspeed_config.deepspeed_config_file` at the stand-alone
 DeepSpeed config (launcher/emit/standalone.py); torch DDP becomes Accelerate's MULTI_GPU, or
-MULTI_CPU with `use_cpu` on CPU processes. ColossalAI has no Accelerate equivalent.
+MULTI_CPU with `use_cpu` on CPU processes, and one process without a wrapper (`single`) NO.
+ColossalAI has no Accelerate equivalent.
 
 `command_lines` gives the same job as `torchrun`, `deepspeed` and `accelerate launch` commands,
 each starting `-m launcher.worker run.json` as launch_command.sh does.
@@ -53,6 +54,8 @@ def accelerate_config(strategy: Strategy, precision: str, num_processes: int, nu
         config["distributed_type"] = "DEEPSPEED"
         config["deepspeed_config"] = {"deepspeed_config_file": ds_config_file,
                                       "zero3_init_flag": strategy.zero_stage == 3}
+    elif strategy.name == "single":  # one process, no data-parallel wrapper
+        config["distributed_type"] = "NO"
     else:
         config["distributed_type"] = "MULTI_CPU" if device == "cpu" else "MULTI_GPU"
     return config

@@ -47,6 +47,14 @@ def test_accelerate_golden(name, strategy, precision, n, device, ds_file):
     assert got == yaml.safe_load((GOLDEN / name).read_text())
 
 
+def test_accelerate_single_process_is_not_distributed():
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.utils import DistributedType
+
+    got = accelerate_config(Strategy("single", "ddp"), "bf16-mixed", 1, 1, "cuda")
+    assert ClusterConfig(**ClusterConfig.process_config(got)).distributed_type == DistributedType.NO
+
+
 def test_accelerate_refuses_colossalai():
     with pytest.raises(ValueError, match="ColossalAI"):
         accelerate_config(Strategy("cai_gemini", "colossalai"), "bf16-mixed", 2, 1, "cuda")
@@ -171,7 +179,7 @@ def test_standalone_config_initializes_on_two_cpu_processes(zero3_run, tmp_path)
                            str(GOLDEN / "ds_zero2_standalone_bf16.json")],
                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
     zero3, zero2 = json.loads(lines[0].removeprefix("RESULT "))
     assert zero3["optimizer"] == zero2["optimizer"] == "torch.optim.adamw.AdamW"
     assert zero3["steps"] == zero2["steps"] == 2

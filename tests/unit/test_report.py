@@ -94,10 +94,15 @@ def test_short_verdict(reason, short):
 
 
 def test_cpu_processes_not_gpus(runs):
-    r, _ = runs("model=tiny-llama", "gpus=2", "hardware=cpu", "mode=plan", "training.seq_len=64")
+    r, _ = runs("model=tiny-llama", "gpus=2", "hardware=cpu", "mode=plan", "training.seq_len=64",
+                "training.micro_batch_size=2")
     title = next(ln for ln in r.stdout.splitlines() if "tiny-llama" in ln)
     assert "2 CPU processes" in title and "per process" in title
-    assert "GPU" not in r.stdout.replace("gpus=", "")
+    lines = r.stdout.splitlines()
+    table = lines[:next(i for i, ln in enumerate(lines) if ln.startswith(("note:", "chosen:")))]
+    chosen = next(ln for ln in lines if ln.startswith("chosen:"))
+    assert "GPU" not in "\n".join(table + [chosen]) and "per CPU process" in "\n".join(table)
+    assert "per process" in chosen
 
 
 def test_progress_line_shows_after_the_delay_only():
