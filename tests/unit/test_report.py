@@ -213,3 +213,16 @@ def test_measured_peaks_and_curves_after_a_run(bloom, tmp_path):
     assert errors == [] and requests == []
     assert facts["measured"] == [4, 4]  # estimated and measured bar per rank
     assert any("loss" in t.lower() for t in facts["curves"]) and any("throughput" in t for t in facts["curves"])
+
+
+@pytest.mark.integration
+def test_plan_html_after_a_real_run(runs, tmp_path):
+    """mode=run on 2 CPU processes rewrites plan.html with the measured peaks of both ranks and
+    the loss and throughput of every step."""
+    r, run_dir = runs("model=tiny-llama", "gpus=2", "hardware=cpu", "mode=run", "training.seq_len=32",
+                      "training.micro_batch_size=2", "training.max_steps=3", "strategy=ddp")
+    assert "trained 3 steps" in r.stdout
+    errors, requests, facts = open_page(run_dir / "plan.html", tmp_path / "run.png")
+    assert errors == [] and requests == []
+    assert facts["measured"] == [2, 2]  # estimated and measured bar for rank 0 and rank 1
+    assert len(facts["curves"]) == 3 and any("loss" in t.lower() for t in facts["curves"])
