@@ -23,7 +23,7 @@ from typing import Optional
 import yaml
 
 from launcher.config import LauncherConfig
-from launcher.emit.accelerate import accelerate_config, accelerate_unsupported, command_lines
+from launcher.emit.accelerate import accelerate_config, command_lines
 from launcher.emit.deepspeed import deepspeed_config, unsupported_reason
 from launcher.emit.standalone import hf_trainer_config, standalone_config, unsupported_optimizer
 from launcher.report import strategy_label, trains_label
@@ -62,49 +62,56 @@ def describe(i: int, c: Candidate) -> str:
             f"grad_accum_steps={c.grad_accum_steps}")
 
 
+def deepspeed_exports(plan: Plan, config: LauncherConfig) -> tuple[Optional[int], list[Export], str]:
+    """(candidate, the two DeepSpeed files, header line) for the DeepSpeed candidate, if any."""
+    t = config.training
+    if unsupported_optimizer(t):
+        return None, [], f"# no DeepSpeed export: {unsupported_optimizer(t)}"
+    i = pick(plan, config, ("deepspeed",))
+    if i is None:
+        return None, [], "# no DeepSpeed export: no DeepSpeed candidate fits"
+    c = plan.candidates[i]
+    dp = config.gpus // (c.strategy.tp_size * c.strategy.pp_size)
+    base = deepspeed_config(c.strategy, t, config.deepspeed, c.micro_batch_size, c.grad_accum_steps, dp)
+    files = [Export(STANDALONE, json.dumps(standalone_config(base, t), indent=2, sort_keys=True) + "\n"),
+             Export(HF_TRAINER, json.dumps(hf_trainer_config(base, t), indent=2, sort_keys=True) + "\n")]
+    return i, files, f"# {STANDALONE}, {HF_TRAINER}: {describe(i, c)}"
+
+
+def accelerate_export(plan: Plan, config: LauncherConfig, ds_i: Optional[int],
+                      run_dir: Path) -> tuple[Optional[int], list[Export], str]:
+    """(candidate, the Accelerate file, header line): the chosen candidate when it is torch DDP or
+    the DeepSpeed export's candidate, else the fastest torch DDP one, else the DeepSpeed one."""
+    i = pick(plan, config, ("ddp", "deepspeed"))
+    why = "no torch DDP or DeepSpeed candidate fits"
+    if i is not None and plan.candidates[i].strategy.backend == "deepspeed":
+        i = ds_i  # Accelerate reads the stand-alone DeepSpeed file, written for ds_i
+        why = "it would read the stand-alone DeepSpeed config, which is not written"
+    if i is None:
+        return None, [], f"# no Accelerate export: {why}"
+    c = plan.candidates[i]
+    acc = accelerate_config(c.strategy, config.training.precision.name, config.gpus, config.nodes,
+                            config.hardware.device, str(run_dir / STANDALONE), config.launch.master_port)
+    return i, [Export(ACCELERATE, yaml.safe_dump(acc, sort_keys=True))], f"# {ACCELERATE}: {describe(i, c)}"
+
+
 def exports(plan: Plan, config: LauncherConfig, run_dir: Path) -> list[Export]:
     """Every export file for this plan (module docstring); none when nothing fits."""
-    t = config.training
-    out: list[Export] = []
-    header = ["#!/usr/bin/env bash", "# The planned job as each launcher starts it (run from any directory).",
-              "# Pick one command; launch_command.sh is the one the launcher runs."]
-    ds_i = pick(plan, config, ("deepspeed",))
-    ds_path = None
-    if ds_i is not None and unsupported_optimizer(t) is None:
-        c = plan.candidates[ds_i]
-        dp = config.gpus // (c.strategy.tp_size * c.strategy.pp_size)
-        base = deepspeed_config(c.strategy, t, config.deepspeed, c.micro_batch_size, c.grad_accum_steps, dp)
-        ds_path = str(run_dir / STANDALONE)
-        out.append(Export(STANDALONE, json.dumps(standalone_config(base, t), indent=2, sort_keys=True) + "\n"))
-        out.append(Export(HF_TRAINER, json.dumps(hf_trainer_config(base, t), indent=2, sort_keys=True) + "\n"))
-        header.append(f"# {STANDALONE}, {HF_TRAINER}: {describe(ds_i, c)}")
-    elif unsupported_optimizer(t):
-        header.append(f"# no DeepSpeed export: {unsupported_optimizer(t)}")
-    acc_i = pick(plan, config, ("ddp", "deepspeed"))
-    if acc_i is not None and plan.candidates[acc_i].strategy.backend == "deepspeed" and ds_i != acc_i:
-        acc_i = ds_i
-    acc_path = None
-    if acc_i is not None and (plan.candidates[acc_i].strategy.backend == "ddp" or ds_path):
-        c = plan.candidates[acc_i]
-        acc = accelerate_config(c.strategy, t.precision.name, config.gpus, config.nodes, config.hardware.device,
-                                ds_path, config.launch.master_port)
-        acc_path = str(run_dir / ACCELERATE)
-        out.append(Export(ACCELERATE, yaml.safe_dump(acc, sort_keys=True)))
-        header.append(f"# {ACCELERATE}: {describe(acc_i, c)}")
-    elif plan.chosen is not None and accelerate_unsupported(plan.candidates[plan.chosen].strategy):
-        header.append(f"# no Accelerate export: {accelerate_unsupported(plan.candidates[plan.chosen].strategy)}")
+    ds_i, ds_files, ds_line = deepspeed_exports(plan, config)
+    acc_i, acc_files, acc_line = accelerate_export(plan, config, ds_i, run_dir)
     if plan.chosen is None:
-        return out
+        return ds_files + acc_files
     chosen = plan.candidates[plan.chosen]
-    header.append(f"# torchrun: {describe(plan.chosen, chosen)} (run.json)")
     cmds = command_lines(num_processes=config.gpus, num_machines=config.nodes, run_json=str(run_dir / "run.json"),
-                         master_port=config.launch.master_port, accelerate_file=acc_path if acc_i == plan.chosen else None,
+                         master_port=config.launch.master_port,
+                         accelerate_file=str(run_dir / ACCELERATE) if acc_i == plan.chosen else None,
                          deepspeed=chosen.strategy.backend == "deepspeed")
-    lines = [*header, ""]
+    lines = ["#!/usr/bin/env bash", "# The planned job as each launcher starts it (run from any directory).",
+             "# Pick one command; launch_command.sh is the one the launcher runs.", ds_line, acc_line,
+             f"# torchrun: {describe(plan.chosen, chosen)} (run.json)", ""]
     for name, argv in cmds.items():
         lines += [f"# {name}", " ".join(a if "${" in a else shlex.quote(a) for a in argv), ""]
-    out.append(Export(COMMANDS, "\n".join(lines)))
-    return out
+    return ds_files + acc_files + [Export(COMMANDS, "\n".join(lines))]
 
 
 def write(plan: Plan, config: LauncherConfig, run_dir: Path) -> list[str]:
