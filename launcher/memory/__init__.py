@@ -221,7 +221,6 @@ def _estimate(traces: TraceSet, layouts: list, notes, gathered, extra: dict, clu
     `_phase_totals`, when already computed)."""
     cuda = cluster.device == "cuda"
     total, breakdown, _ = totals or _phase_totals(traces, layouts, gathered, extra, cluster)
-    gathered_bytes = (gathered[0] if gathered else 0) + max((sum(c.values()) for c in extra.values()), default=0)
     phase = max(PHASES, key=lambda ph: total[ph])
     host = extrapolate_layouts(layouts, [host_bytes(x) for x in layouts], traces.num_layers)
     bd = dict(breakdown[phase])
@@ -232,8 +231,7 @@ def _estimate(traces: TraceSet, layouts: list, notes, gathered, extra: dict, clu
                               tuple(notes) + CPU_NOTES)
     workspace = runtime.cublas_workspace_bytes(cluster.sm_arch)
     allocated = total[phase] + workspace
-    reserved = peak_reserved_bytes(layouts, traces.num_layers, cluster.sm_arch, gathered_bytes, allocated)
-    reserved = max(reserved, allocated)
+    reserved = peak_reserved_bytes(layouts, traces.num_layers, cluster.sm_arch, allocated)
     outside = runtime.cuda_context_bytes(cluster.cuda_context_bytes) + runtime.nccl_bytes(dp_size)
     bd["runtime"] = workspace + outside
     return MemoryEstimate(allocated, reserved, reserved + outside, host, bd, phase,
@@ -246,7 +244,8 @@ CPU_NOTES = (
     "also reported as host_bytes).",
 )
 GPU_NOTES = (
-    "GPU: 512 B allocator rounding; peak reserved from a caching-allocator replay (single stream, "
+    "GPU: 512 B allocator rounding; peak reserved = peak allocated + the cache a caching-allocator "
+    "replay of the step at the deeper traced depth holds above its live bytes (single stream, "
     "default settings); cuBLAS workspaces 2 x 8.125 MiB (32 MiB each on sm90+) in allocated.",
     "device total = reserved + CUDA context (hardware setting) + NCCL per process group "
     "(544 MiB for 2 ranks, 688 MiB for more: NVIDIA/nccl issue 964, one group assumed).",

@@ -1,9 +1,10 @@
 """Peak reserved bytes of a strategy layout: its allocation sequence replayed through the caching
-allocator simulator (allocator.py), in steady state, extrapolated in depth."""
+allocator simulator (allocator.py), in steady state, at the two traced depths; the cache it holds
+above the live bytes is carried to full depth (`peak_reserved_bytes`)."""
 from __future__ import annotations
 
-from .allocator import ROUND_LARGE, replay
-from .common import Layout, extrapolate_layouts
+from .allocator import replay
+from .common import Layout
 from .runtime import cublas_workspace_allocations
 
 
@@ -32,20 +33,19 @@ def allocation_events(layout: Layout, sm_arch: int) -> list[tuple]:
     return events
 
 
-def peak_reserved_bytes(layouts: list[Layout], num_layers: int, sm_arch: int,
-                        extra_bytes: int = 0, peak_allocated_bytes: int = 0) -> int:
-    """Peak reserved of the full-depth step: the larger of
-    - the peak reserved at the two traced depths, extrapolated in depth (`extra_bytes`, full-depth
-      storages not on the per-depth curve, added rounded up to whole 2 MiB large-pool segments);
-    - the full-depth peak allocated plus the cache the deeper replay holds above its own peak
-      allocated. Segments are never returned, so what the cache holds above the live bytes comes
-      from blocks that no later request could reuse: mostly the depth-independent large ones
-      (embedding and LM-head outputs, the loss's logits copies, optimizer-step temporaries),
-      which a decoder layer's same-sized blocks do not fill. The held cache therefore carries to
-      full depth instead of scaling with it (the per-depth extrapolation alone drops it where
-      the peak allocated moves to another phase at full depth)."""
-    replays = [replay(allocation_events(lay, sm_arch)) for lay in layouts]
-    extra = -(-extra_bytes // ROUND_LARGE) * ROUND_LARGE
-    extrapolated = extrapolate_layouts(layouts, [r.peak_reserved for r in replays], num_layers) + extra
-    held = replays[-1].peak_reserved - replays[-1].peak_allocated
-    return max(extrapolated, peak_allocated_bytes + held)
+def peak_reserved_bytes(layouts: list[Layout], num_layers: int, sm_arch: int, peak_allocated_bytes: int) -> int:
+    """Peak reserved of the full-depth step: its peak allocated (`peak_allocated_bytes`, the
+    phase-aware estimate) plus the cache the allocator holds above its live bytes when the
+    steady-state step is replayed at the deeper traced depth.
+
+    The held cache (peak reserved - peak allocated of a replay) comes from blocks that no later
+    request could reuse, since segments are never returned: mostly those of the depth-independent
+    large tensors (embedding and LM-head outputs, the loss's logits copies, optimizer-step and
+    dequantization temporaries) that the layers' smaller blocks do not fill. A decoder layer
+    repeats the previous layer's requests, which best fit reuses, so the held cache is carried to
+    full depth as it is, not scaled. Assumption: neither the held cache's change between the two
+    traced depths (a few hundred MiB, either sign, where the two replays place blocks differently)
+    nor the replays' own peak reserved is extrapolated, because the traced depths' peak may sit in
+    another phase than the full-depth one."""
+    deeper = replay(allocation_events(layouts[-1], sm_arch))
+    return peak_allocated_bytes + deeper.peak_reserved - deeper.peak_allocated
