@@ -201,11 +201,15 @@ PeftMethod = _enum(
     "PeftMethod", ["none", "lora", "qlora"],
     "none = full fine-tuning; lora = LoRA adapters (arXiv:2106.09685) on a frozen base; qlora = "
     "LoRA on a base whose Linear weights are bitsandbytes 4-bit (arXiv:2305.14314; GPU only).")
-QuantType = _enum("QuantType", ["nf4", "fp4"], "bitsandbytes 4-bit data type (bnb_4bit_quant_type).")
+QuantType = _enum("QuantType", ["nf4", "fp4", "gptq_int4", "gptq_int8"],
+                  "nf4 | fp4: bitsandbytes 4-bit data type (bnb_4bit_quant_type), quantized from the 16-bit "
+                  "model; gptq_int4 | gptq_int8: a GPTQ-quantized checkpoint (auto-gptq QuantLinear, "
+                  "peft.gptq_group_size), planned but not trained by the worker.")
 ComputeDtype = _enum("ComputeDtype", ["bfloat16", "float16"], "bnb_4bit_compute_dtype for QLoRA.")
 InferPrecision = _enum(
-    "InferPrecision", ["bf16", "fp16", "int8", "nf4", "fp4"],
-    "Serving weights: 16-bit, LLM.int8 (bitsandbytes Int8Params) or bitsandbytes 4-bit.")
+    "InferPrecision", ["bf16", "fp16", "int8", "nf4", "fp4", "gptq_int4", "gptq_int8"],
+    "Serving weights: 16-bit, LLM.int8 (bitsandbytes Int8Params), bitsandbytes 4-bit, or a GPTQ "
+    "checkpoint (auto-gptq QuantLinear, group size 128).")
 
 
 @dataclass
@@ -229,10 +233,13 @@ class PeftConfig:
     """QLoRA: quantize the absmax constants again (bnb_4bit_use_double_quant)."""
     compute_dtype: ComputeDtype = ComputeDtype["bfloat16"]  # type: ignore[valid-type]
     """QLoRA: dtype the frozen base computes (and is kept) in, except its 4-bit Linear weights."""
+    gptq_group_size: int = 128
+    """quant_type=gptq_*: the checkpoint's GPTQ group size (quantize_config.json group_size)."""
     upcast_non_quantized: bool = True
-    """QLoRA: run peft's prepare_model_for_kbit_training, as HF Trainer, TRL and Axolotl QLoRA recipes
-    do: every 16-bit parameter that is not 4-bit (embeddings, norms, LM head) becomes fp32, and so do
-    the hidden states and logits. false = keep them in compute_dtype (torchtune's QLoRA)."""
+    """QLoRA (bitsandbytes types): run peft's prepare_model_for_kbit_training, as HF Trainer, TRL and
+    Axolotl QLoRA recipes do: every 16-bit parameter that is not 4-bit (embeddings, norms, LM head)
+    becomes fp32, and so do the hidden states and logits. false = keep them in compute_dtype
+    (torchtune's QLoRA)."""
 
 
 @dataclass

@@ -24,8 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from launcher import quant
+from launcher.gptq import GPTQ_BITS, KERNEL_SWITCH_THRESHOLD, gptq_weight_bytes
 
-PRECISIONS = ("bf16", "fp16", "int8", "nf4", "fp4")
+PRECISIONS = ("bf16", "fp16", "int8", "nf4", "fp4", "gptq_int4", "gptq_int8")
+GPTQ_GROUP_SIZE = 128  # the group size of published GPTQ checkpoints (quantize_config.json), e.g. Qwen's Int4/Int8
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 HALF_BYTES = 2
 FP32_BYTES = 4
@@ -87,6 +89,8 @@ def weight_bytes(spec: InferenceSpec, precision: str, tp_size: int = 1, blocksiz
         elif precision in ("nf4", "fp4"):
             linear += quant.four_bit_weight_bytes(shard_out * in_features, blocksize, double_quant,
                                                   quant_type=precision)["total_bytes"]
+        elif precision in GPTQ_BITS:  # QuantLinear buffers; its fp16 bias is counted with the others
+            linear += gptq_weight_bytes(in_features, shard_out, GPTQ_BITS[precision], GPTQ_GROUP_SIZE)
         else:
             linear += shard_out * in_features * HALF_BYTES
     out = {
@@ -142,6 +146,11 @@ def _matmul_temp_bytes(spec: InferenceSpec, precision: str, tokens: int, tp_size
     if precision == "int8":
         return max(tokens * (i + FP32_BYTES * -(-o // tp_size)) + tokens * FP32_BYTES
                    for o, i in spec.linear_weight_shapes)
+    if precision in GPTQ_BITS:  # launcher/gptq.py: the CUDA kernel's fp32 output up to 128 rows,
+        # above them the torch path's int32 unpacking plus its int8 narrowing of the whole weight
+        if tokens <= KERNEL_SWITCH_THRESHOLD:
+            return max(tokens * -(-o // tp_size) * FP32_BYTES for o, _ in spec.linear_weight_shapes)
+        return max(-(-o // tp_size) * i for o, i in spec.linear_weight_shapes) * (FP32_BYTES + 1)
     return max(-(-o // tp_size) * i for o, i in spec.linear_weight_shapes) * HALF_BYTES
 
 

@@ -39,6 +39,7 @@ class LoraSettings:
     compute_dtype: str = "bfloat16"  # QLoRA: dtype of the frozen base (except 4-bit weights)
     # QLoRA: peft.prepare_model_for_kbit_training casts every 16-bit parameter that is not 4-bit to fp32
     upcast_non_quantized: bool = True
+    gptq_group_size: int = 128  # quant_type gptq_*: the checkpoint's group size (launcher/gptq.py)
 
     @property
     def method(self) -> str:
@@ -75,7 +76,8 @@ def settings_from_config(peft_config) -> Optional[LoraSettings]:
                         quant_type=peft_config.quant_type.name if method == "qlora" else None,
                         double_quant=peft_config.double_quant,
                         compute_dtype=peft_config.compute_dtype.name,
-                        upcast_non_quantized=peft_config.upcast_non_quantized)
+                        upcast_non_quantized=peft_config.upcast_non_quantized,
+                        gptq_group_size=peft_config.gptq_group_size)
 
 
 def default_target_modules(model_type: str) -> list[str]:
@@ -290,7 +292,8 @@ def variant_problem(variant: TrainingVariant, strategy, device: str) -> str:
                 "fine-tuning only; use zero0-2 or ddp")
     if lora.quant_type is not None:
         if device != "cuda":
-            return "QLoRA needs bitsandbytes' GPU 4-bit kernels; hardware=cpu has none (use peft=lora)"
+            return ("QLoRA needs GPU quantized kernels (bitsandbytes, auto-gptq); hardware=cpu has none "
+                    "(use peft=lora)")
         if strategy.backend != "ddp":
             return "QLoRA's 4-bit base runs with torch DDP only (DeepSpeed casts the whole module)"
     return ""
@@ -309,7 +312,9 @@ def trace_fields(lora: Optional[LoraSettings], backend: str, request: dict) -> d
            "adapter_autocast": backend != "deepspeed"}
     if lora.quant_type is not None:
         out["param_dtype"] = lora.compute_dtype
-        out["kbit_upcast"] = lora.upcast_non_quantized
+        gptq = lora.quant_type.startswith("gptq")
+        out["kbit_upcast"] = lora.upcast_non_quantized and not gptq  # peft skips it for GPTQ
+        out["gptq_group_size"] = lora.gptq_group_size if gptq else 0
     return {**request, **out}
 
 

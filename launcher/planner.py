@@ -169,6 +169,9 @@ def launch_problem(strategy: Strategy, spec: ModelSpec, peft: dict | None = None
     only (launcher/worker/colossalai_transformers.py). A vocabulary that tp does not divide is
     padded, and ColossalAI 0.5.0 cannot checkpoint a padded layer's optimizer state
     (launcher/emit/colossalai.py `vocab_multiple`)."""
+    if str((peft or {}).get("quant_type")).startswith("gptq"):
+        return ("a GPTQ base is a pre-quantized checkpoint; the worker builds models from config.json and "
+                "quantizes with bitsandbytes only: estimate only")
     if (peft or {}).get("quant_type") and any(spec.hf_config.get(k) for k in ("num_local_experts", "num_experts")):
         return ("QLoRA of 3D expert parameters: estimated 4-bit per expert, but the worker's bitsandbytes "
                 "conversion quantizes nn.Linear only: estimate only")

@@ -37,6 +37,7 @@ from typing import Optional
 
 import numpy as np
 
+from launcher.gptq import GPTQ_BITS, gptq_stand_in
 from launcher.steptrace import Kind, OpClass, ParamTable, Role, StepTrace, TraceSet
 
 OPTIMIZERS = ("adamw_foreach", "adamw_single", "adamw_fused", "sgd", "adafactor", "none")
@@ -75,6 +76,7 @@ class TraceKey:
     quant_type: Optional[str] = None  # None | 'nf4' | 'fp4': QLoRA 4-bit base (see trace_step)
     double_quant: bool = False
     kbit_upcast: bool = False  # QLoRA: non-4-bit parameters cast to fp32 (peft prepare_model_for_kbit_training)
+    gptq_group_size: int = 0  # quant_type gptq_*: group size of the GPTQ base (launcher/gptq.py)
     adapter_autocast: bool = True  # peft autocast_adapter_dtype (fp32 adapters on a 16-bit model)
     tp_size: int = 1  # >1: trace one tensor-parallel rank's shard model (`tp_shard_config`)
 
@@ -84,7 +86,7 @@ class TraceKey:
         _check(self.attn_implementation, ATTN_IMPLEMENTATIONS, "attn_implementation")
         _check(self.optimizer, OPTIMIZERS, "optimizer")
         _check(self.trainable, ("all", "lora"), "trainable")
-        _check(self.quant_type, (None, "nf4", "fp4"), "quant_type")
+        _check(self.quant_type, (None, "nf4", "fp4", "gptq_int4", "gptq_int8"), "quant_type")
         if self.trainable == "lora" and self.lora_r < 1:
             raise ValueError("TraceKey.trainable='lora' needs lora_r >= 1")
         if self.quant_type is not None and self.trainable != "lora":
@@ -99,7 +101,8 @@ class TraceKey:
         return LoraSettings(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout,
                             target_modules=tuple(self.lora_target_modules) or None,
                             quant_type=self.quant_type, double_quant=self.double_quant,
-                            compute_dtype=self.param_dtype, upcast_non_quantized=self.kbit_upcast)
+                            compute_dtype=self.param_dtype, upcast_non_quantized=self.kbit_upcast,
+                            gptq_group_size=self.gptq_group_size or 128)
 
 
 def _check(value, allowed, name):
@@ -343,6 +346,11 @@ def _apply_lora(model, key: TraceKey):
 
     settings = key.lora_settings()
     linears = lp.quantizable_linears(model) if key.quant_type else []
+    if key.quant_type in GPTQ_BITS:  # a GPTQ checkpoint: QuantLinear buffers, traced as they are
+        gptq_stand_in(linears, GPTQ_BITS[key.quant_type], key.gptq_group_size)
+        with lp.fake_tensor_adapter_moves():
+            model = lp.apply_lora(model, settings, autocast_adapter_dtype=key.adapter_autocast)
+        return model, []
     experts = lp.expert_parameters(model) if key.quant_type else []
     if key.kbit_upcast:
         lp.upcast_non_quantized(model, [m.weight for m in linears] + experts)
@@ -575,8 +583,9 @@ def cache_key(key: TraceKey) -> str:
     from importlib.metadata import version
 
     fields = dataclasses.asdict(key)
-    if not fields.get("kbit_upcast"):  # keys without the QLoRA fp32 upcast hash as before it existed
-        fields.pop("kbit_upcast", None)
+    for name in ("kbit_upcast", "gptq_group_size"):  # unset, the key hashes as before they existed
+        if not fields.get(name):
+            fields.pop(name, None)
     if fields.get("tp_size") == 1:  # keys without tensor parallelism hash as before tp_size existed
         del fields["tp_size"]
     else:  # the shard layout (vocabulary padding multiple, `tp_padded_vocab`) is part of the trace

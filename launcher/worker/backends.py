@@ -280,6 +280,9 @@ def check_backend(spec, world_size: int) -> None:
     if quant and spec.device != "cuda":
         raise ConfigError(f"QLoRA ({quant} base) needs bitsandbytes' GPU kernels; device={spec.device} "
                           "has none: use peft=lora on CPU")
+    if str(quant).startswith("gptq"):
+        raise ConfigError(f"peft.quant_type={quant}: a GPTQ base is planned only; the worker quantizes with "
+                          "bitsandbytes (use peft.quant_type=nf4)")
     if quant and spec.backend != "ddp":
         raise ConfigError(f"QLoRA runs with torch DDP only, not backend={spec.backend}")
     if getattr(spec, "strategy", None) == SINGLE and world_size != 1:

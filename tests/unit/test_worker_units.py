@@ -261,6 +261,11 @@ def test_unsupported_backend_and_bad_framework_config() -> None:
         check_backend(_spec(backend="ddp", optimizer="adamw_torch", framework_config={"bucket_size": 1}), 2)
     with pytest.raises(ConfigError, match="optimizer='lion'"):
         check_backend(_spec(backend="ddp", optimizer="lion"), 2)
+    with pytest.raises(ConfigError, match="strategy=single runs one process, not 2"):
+        check_backend(_spec(backend="ddp", strategy="single", optimizer="adamw_torch"), 2)
+    with pytest.raises(ConfigError, match="GPTQ base is planned only"):
+        check_backend(_spec(backend="ddp", optimizer="adamw_torch", device="cuda",
+                            peft={"quant_type": "gptq_int4"}), 1)
 
 
 def test_check_validates_a_good_spec_without_training(tmp_path: Path) -> None:
