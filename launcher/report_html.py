@@ -163,11 +163,12 @@ td,th{border:1px solid #ccc;padding:3px 6px;text-align:left}tr.chosen{background
 tr.oom{color:#a94442}h1{font-size:1.4em}"""
 
 
-def render(run_dir: Path, safety_margin: float, device: str, results_dir: Path | None = None) -> str:
+def render(run_dir: Path, safety_margin: float | None, device: str, results_dir: Path | None = None) -> str:
     """The HTML text of plan.html for the run directory `run_dir`; measurements are read from
-    `results_dir` (default `run_dir`; a fallback attempt's directory after an out-of-memory)."""
+    `results_dir` (default `run_dir`; a fallback attempt's directory after an out-of-memory).
+    `safety_margin`: the share of memory the planner kept free (None: none)."""
     plan = {**json.loads((run_dir / "plan.json").read_text()), "device": device}
-    usable = capacity(plan) * (1 - safety_margin)
+    usable = capacity(plan) * (1 - (safety_margin or 0.0))
     figs = [("memory", memory_figure(plan, usable)), ("speed", speed_figure(plan, usable))]
     figs += [(f"measured-{k}", f) for k, f in enumerate(measured_figures(results_dir or run_dir, plan))]
     parts = [f.to_html(full_html=False, include_plotlyjs="inline" if k == 0 else False, div_id=name,
@@ -183,7 +184,7 @@ def render(run_dir: Path, safety_margin: float, device: str, results_dir: Path |
             f"<h2>Notes and assumptions</h2>{notes_html(plan)}</body></html>")
 
 
-def write(run_dir: Path, safety_margin: float, device: str, results_dir: Path | None = None) -> Path:
+def write(run_dir: Path, safety_margin: float | None, device: str, results_dir: Path | None = None) -> Path:
     path = run_dir / FILE
     path.write_text(render(run_dir, safety_margin, device, results_dir))
     return path
