@@ -127,6 +127,32 @@ def test_hf_trainer_fills_every_auto(zero3_run):
     assert hf.is_zero3()
 
 
+TRAINING_ARGS = r"""
+import json, sys, deepspeed
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+from transformers import TrainingArguments
+args = TrainingArguments(output_dir="out", deepspeed=sys.argv[1], per_device_train_batch_size=2,
+                         gradient_accumulation_steps=2, learning_rate=1e-3, warmup_steps=3, bf16=True,
+                         use_cpu=True, report_to=[])
+cfg = args.hf_deepspeed_config.config
+print("RESULT " + json.dumps({"zero3": args.hf_deepspeed_config.is_zero3(), "config": cfg}))
+"""
+
+
+@pytest.mark.integration
+def test_training_arguments_take_the_file(zero3_run, tmp_path):
+    """TrainingArguments(deepspeed=path), as Trainer users hand it over, on one CPU rank."""
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29733", "DS_BUILD_OPS": "0"}
+    proc = subprocess.run([sys.executable, "-c", TRAINING_ARGS, str(zero3_run / "ds_config.hf_trainer.json")],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    got = json.loads(lines[0].removeprefix("RESULT "))
+    assert got["zero3"] and got["config"]["train_micro_batch_size_per_gpu"] == 2
+    assert got["config"]["optimizer"]["params"]["lr"] == 1e-3 and got["config"]["bf16"]["enabled"] is True
+
+
 def test_accelerate_loads_config(zero3_run):
     """Accelerate's loader accepts the file (it rejects unknown keys) and its launch validation
     finds the DeepSpeed config it names."""
