@@ -39,7 +39,7 @@ def strategy_rows(plan: Plan) -> list[tuple[int, list[int]]]:
 def short_verdict(c: Candidate, chosen: bool) -> str:
     """The planner's reason in a few words; report=wide prints it whole."""
     if chosen:
-        return "chosen: fastest that fits"
+        return "chosen (fastest fit)"
     r = c.reason
     if m := re.match(r"fits; lost on speed: ([\d.]+)x slower", r):
         return f"{float(m.group(1)):.2f}x slower"
@@ -47,8 +47,9 @@ def short_verdict(c: Candidate, chosen: bool) -> str:
         return "fits; not launchable here"
     if m := re.match(r"fits; trains (\S+) instead of (\S+)", r):
         return f"fits; trains {m.group(1)}, not {m.group(2)}"
-    if m := re.match(r"OOM: ([\d.]+ \w+) > ([\d.]+ \w+) usable", r):
-        return f"OOM: {m.group(1)} > {m.group(2)}"
+    if m := re.match(r"OOM: ([\d.]+) (\w+) > ([\d.]+) (\w+) usable", r):
+        need = m.group(1) if m.group(2) == m.group(4) else f"{m.group(1)} {m.group(2)}"
+        return f"OOM: {need} > {m.group(3)} {m.group(4)}"
     if r.startswith("host RAM"):
         return "offload exceeds host RAM"
     return r
@@ -91,11 +92,13 @@ def build_table(plan: Plan, capacity_bytes: int, device: str, wide: bool):
     if wide:
         columns += [("params", "right"), ("grads", "right"), ("optim", "right"), ("activ", "right"),
                     ("buffers", "right"), ("runtime", "right")]
-    columns += [("host", "right"), ("tokens/s", "right"), ("sizes", "left"), ("verdict", "left")]
+    rows = strategy_rows(plan)
+    host = wide or any(plan.candidates[i].memory.host_bytes for i, _ in rows)  # offload only
+    columns += [("host", "right")] * host + [("tokens/s", "right"), ("sizes", "left"), ("verdict", "left")]
     for name, just in columns:
         table.add_column(name, justify=just, overflow="fold" if wide else "ellipsis",
                          no_wrap=not wide and name != "verdict")
-    for i, members in strategy_rows(plan):
+    for i, members in rows:
         c = plan.candidates[i]
         m = c.memory
         style = "bold green" if i == plan.chosen else (None if c.fits else "red")
@@ -105,7 +108,7 @@ def build_table(plan: Plan, capacity_bytes: int, device: str, wide: bool):
             cells += [fmt(m.breakdown.get(k, 0)) for k in BREAKDOWN_KEYS]
         verdict = ("CHOSEN: fastest that fits" if i == plan.chosen else c.reason) if wide \
             else short_verdict(c, i == plan.chosen)
-        cells += [fmt(m.host_bytes), f"{c.speed.tokens_per_s:,.0f}", sizes(plan, members), verdict]
+        cells += [fmt(m.host_bytes)] * host + [f"{c.speed.tokens_per_s:,.0f}", sizes(plan, members), verdict]
         table.add_row(*cells, style=style)
     return table
 
@@ -115,7 +118,7 @@ def legend(plan: Plan, unit: str, device: str, wide: bool) -> list[str]:
     total = ("total = peak live tensor bytes (on CPU processes allocated = reserved = total)" if device == "cpu"
              else "total = device total as nvidia-smi shows it (peak reserved + CUDA context + NCCL)")
     lines = [f"{unit} {each} on the worst rank. {total}; alloc = max_memory_allocated; "
-             "host = offloaded bytes per rank.",
+             "host = offloaded bytes per rank (shown with offload).",
              "One row per strategy: its fastest candidate that fits, or its smallest and why it does not fit. "
              "sizes = micro-batch sizes planned and how many fit (<= the largest that fits).",
              "trains = 'full' fine-tuning, or LoRA/QLoRA adapters on a frozen base (+ckpt = gradient checkpointing)."]

@@ -79,7 +79,8 @@ def test_short_verdicts_and_wide_report(runs, bloom):
 
 
 @pytest.mark.parametrize("reason,short", [
-    ("OOM: 110.30 GiB > 76.00 GiB usable (5% margin); largest term: activations 100.08 GiB", "OOM: 110.30 GiB > 76.00 GiB"),
+    ("OOM: 110.30 GiB > 76.00 GiB usable (5% margin); largest term: activations 100.08 GiB", "OOM: 110.30 > 76.00 GiB"),
+    ("OOM: 900.00 MiB > 1.20 GiB usable (5% margin); largest term: activations 800.00 MiB", "OOM: 900.00 MiB > 1.20 GiB"),
     ("fits; lost on speed: 6.454x slower than the chosen", "6.45x slower"),
     ("fits; not launchable: ColossalAI 0.5.0's pipeline forwards target transformers 4.51", "fits; not launchable here"),
     ("host RAM: offload needs 900.00 GiB per node > 512.00 GiB", "offload exceeds host RAM"),
