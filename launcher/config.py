@@ -227,6 +227,12 @@ class PeftConfig:
     target_modules: Optional[List[str]] = None
     """Module names to adapt. null = PEFT's default for the architecture
     (peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING)."""
+    use_dora: bool = False
+    """DoRA (Liu et al. 2024, arXiv:2402.09353; LoraConfig use_dora): adapters plus a trained
+    magnitude per output row of each adapted weight; traced as peft builds it (more activations)."""
+    modules_to_save: Optional[List[str]] = None
+    """Modules trained in full next to the adapters, e.g. [embed_tokens,lm_head] (LoraConfig
+    modules_to_save: peft keeps the frozen original and a trainable copy of each)."""
     quant_type: QuantType = QuantType["nf4"]  # type: ignore[valid-type]
     """QLoRA: 4-bit type of the base Linear weights."""
     double_quant: bool = True

@@ -34,6 +34,8 @@ class LoraSettings:
     alpha: int = 16
     dropout: float = 0.05
     target_modules: Optional[tuple] = None  # None = PEFT's default for the architecture
+    use_dora: bool = False  # DoRA (peft LoraConfig use_dora): a trained magnitude vector per adapted weight
+    modules_to_save: Optional[tuple] = None  # modules trained in full next to the adapters (peft copies them)
     quant_type: Optional[str] = None  # None (LoRA) | 'nf4' | 'fp4' (QLoRA)
     double_quant: bool = True
     compute_dtype: str = "bfloat16"  # QLoRA: dtype of the frozen base (except 4-bit weights)
@@ -48,13 +50,14 @@ class LoraSettings:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["target_modules"] = list(self.target_modules) if self.target_modules else None
+        d["modules_to_save"] = list(self.modules_to_save) if self.modules_to_save else None
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "LoraSettings":
         d = dict(d)
-        tm = d.get("target_modules")
-        d["target_modules"] = tuple(tm) if tm else None
+        for key in ("target_modules", "modules_to_save"):
+            d[key] = tuple(d[key]) if d.get(key) else None
         return cls(**d)
 
 
@@ -71,8 +74,9 @@ def settings_from_config(peft_config) -> Optional[LoraSettings]:
     if problems:
         raise ConfigError(*problems)
     tm = tuple(peft_config.target_modules) if peft_config.target_modules else None
+    saved = tuple(peft_config.modules_to_save) if peft_config.modules_to_save else None
     return LoraSettings(r=peft_config.r, alpha=peft_config.alpha, dropout=float(peft_config.dropout),
-                        target_modules=tm,
+                        target_modules=tm, use_dora=peft_config.use_dora, modules_to_save=saved,
                         quant_type=peft_config.quant_type.name if method == "qlora" else None,
                         double_quant=peft_config.double_quant,
                         compute_dtype=peft_config.compute_dtype.name,
@@ -96,8 +100,10 @@ def lora_config(settings: LoraSettings, model_type: str):
     from peft import LoraConfig
 
     targets = list(settings.target_modules) if settings.target_modules else default_target_modules(model_type)
+    saved = list(settings.modules_to_save) if settings.modules_to_save else None
     return LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-                      target_modules=targets, bias="none", task_type="CAUSAL_LM")
+                      target_modules=targets, bias="none", task_type="CAUSAL_LM",
+                      use_dora=settings.use_dora, modules_to_save=saved)
 
 
 def apply_lora(model, settings: LoraSettings, autocast_adapter_dtype: bool = True):
@@ -125,10 +131,28 @@ def fake_tensor_adapter_moves():
     `_move_adapter_to_device_of_base_layer`, lora/model.py `_replace_module`); on FakeTensor
     parameters torch 2.13's `Module._apply` must swap tensors and refuses (the parameter has a
     weakref). Inside this context `Module.to` does the same conversion by replacing each parameter
-    and buffer that changes, and leaves the others untouched (what `.to` does on real tensors)."""
+    and buffer that changes, and leaves the others untouched (what `.to` does on real tensors).
+    peft's `ModulesToSaveWrapper` deep-copies each saved module (utils/other.py); deep-copying
+    FakeTensor parameters corrupts the process, so modules are copied here as the deep copy would
+    make them: new parameters and buffers of the same shapes, dtypes and requires_grad."""
+    import copy
+
     import torch
 
     original = torch.nn.Module.to
+    original_deepcopy = copy.deepcopy
+
+    def module_copy(module):
+        new = copy.copy(module)
+        new.__dict__ = dict(module.__dict__)
+        new._parameters = {k: None if p is None else torch.nn.Parameter(torch.empty_like(p), p.requires_grad)
+                           for k, p in module._parameters.items()}
+        new._buffers = {k: None if b is None else torch.empty_like(b) for k, b in module._buffers.items()}
+        new._modules = {k: None if m is None else module_copy(m) for k, m in module._modules.items()}
+        return new
+
+    def deepcopy(obj, memo=None, _nil=[]):  # noqa: B006 - copy.deepcopy's own signature
+        return module_copy(obj) if isinstance(obj, torch.nn.Module) else original_deepcopy(obj, memo, _nil)
 
     def to(self, *args, **kwargs):
         device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
@@ -146,10 +170,12 @@ def fake_tensor_adapter_moves():
         return self
 
     torch.nn.Module.to = to
+    copy.deepcopy = deepcopy
     try:
         yield
     finally:
         torch.nn.Module.to = original
+        copy.deepcopy = original_deepcopy
 
 
 def quantizable_linears(model) -> list:
@@ -308,6 +334,7 @@ def trace_fields(lora: Optional[LoraSettings], backend: str, request: dict) -> d
         return {}
     out = {"trainable": "lora", "lora_r": lora.r, "lora_alpha": lora.alpha,
            "lora_dropout": lora.dropout, "lora_target_modules": tuple(lora.target_modules or ()),
+           "lora_dora": lora.use_dora, "lora_modules_to_save": tuple(lora.modules_to_save or ()),
            "quant_type": lora.quant_type, "double_quant": lora.double_quant,
            "adapter_autocast": backend != "deepspeed"}
     if lora.quant_type is not None:

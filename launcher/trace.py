@@ -73,6 +73,8 @@ class TraceKey:
     lora_alpha: int = 0
     lora_dropout: float = 0.0
     lora_target_modules: tuple = ()  # () = PEFT's default for the architecture
+    lora_dora: bool = False  # DoRA (LoraConfig use_dora)
+    lora_modules_to_save: tuple = ()  # modules peft copies and trains in full (LoraConfig modules_to_save)
     quant_type: Optional[str] = None  # None | 'nf4' | 'fp4': QLoRA 4-bit base (see trace_step)
     double_quant: bool = False
     kbit_upcast: bool = False  # QLoRA: non-4-bit parameters cast to fp32 (peft prepare_model_for_kbit_training)
@@ -100,6 +102,7 @@ class TraceKey:
             return None
         return LoraSettings(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout,
                             target_modules=tuple(self.lora_target_modules) or None,
+                            use_dora=self.lora_dora, modules_to_save=tuple(self.lora_modules_to_save) or None,
                             quant_type=self.quant_type, double_quant=self.double_quant,
                             compute_dtype=self.param_dtype, upcast_non_quantized=self.kbit_upcast,
                             gptq_group_size=self.gptq_group_size or 128)
@@ -583,7 +586,7 @@ def cache_key(key: TraceKey) -> str:
     from importlib.metadata import version
 
     fields = dataclasses.asdict(key)
-    for name in ("kbit_upcast", "gptq_group_size"):  # unset, the key hashes as before they existed
+    for name in ("kbit_upcast", "gptq_group_size", "lora_dora", "lora_modules_to_save"):  # unset: hashed as before they existed
         if not fields.get(name):
             fields.pop(name, None)
     if fields.get("tp_size") == 1:  # keys without tensor parallelism hash as before tp_size existed

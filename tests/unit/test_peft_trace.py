@@ -77,6 +77,25 @@ def test_lora_peak_equals_a_real_step(param_dtype, autocast, optimizer, checkpoi
     assert traced.params.numel.tolist() == [p.numel() for _, p in real]
 
 
+@pytest.mark.parametrize("fields", [{"lora_dora": True},
+                                    {"lora_modules_to_save": ("embed_tokens", "lm_head")}],
+                         ids=["dora", "modules_to_save"])
+def test_dora_and_modules_to_save_equal_a_real_step(fields):
+    """DoRA's magnitude vectors and peft's trainable copies of saved modules are traced as peft builds
+    them: the peak equals the real step's, and the saved modules' copies train."""
+    k = lora_key(**fields)
+    traced = tr.trace_step(k)
+    measured, model = real_lora_step(k)
+    assert abs(int(traced.live_curve().max()) - measured) / measured <= 0.01
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert traced.params.trainable.sum() == len(names)
+    if "lora_dora" in fields:
+        assert any("lora_magnitude_vector" in n for n in names)
+    else:
+        assert any("embed_tokens.modules_to_save" in n for n in names)
+        assert any("lm_head.modules_to_save" in n for n in names)
+
+
 def test_frozen_base_has_no_gradients_or_optimizer_state():
     t = tr.trace_step(lora_key())
     grads = t.param[(t.kind == Kind.GRAD)]
