@@ -112,10 +112,11 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def measured_figures(run_dir: Path, plan: dict) -> list[go.Figure]:
-    """Measured per-rank peaks next to the estimate; loss and throughput per step."""
+    """Measured per-rank peaks next to the estimate; loss and throughput per step (of mode=run,
+    or of mode=measure's timing pass, which runs without the memory tracker)."""
     figs = []
     rows = json.loads((run_dir / "measure.json").read_text())["memory"] if (run_dir / "measure.json").exists() else []
-    metrics = next((m for m in (read_jsonl(run_dir / d / "metrics.jsonl") for d in (".", "memory", "timing")) if m), [])
+    metrics = next((m for m in (read_jsonl(run_dir / d / "metrics.jsonl") for d in (".", "timing", "memory")) if m), [])
     if not rows and metrics and plan["chosen"] is not None:
         est = plan["candidates"][plan["chosen"]]["memory"]["peak_allocated_bytes"]
         peaks = [max(r) for r in zip(*(m["peak_allocated_bytes"] for m in metrics if m.get("peak_allocated_bytes")))]
