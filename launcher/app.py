@@ -11,6 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from launcher import margin
 from launcher.config import LauncherConfig
 from launcher.errors import ConfigError, collect
 
@@ -20,6 +21,7 @@ def to_config(cfg: DictConfig, argv: list[str] | None = None) -> LauncherConfig:
     command-line overrides (default sys.argv[1:]), the only place trust_remote_code may come from."""
     config: LauncherConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     collect(problems(config, argv))
+    config.planner.safety_margin = margin.resolve(config.planner.safety_margin, config.hardware.device)
     return config
 
 
@@ -96,7 +98,7 @@ def problems(c: LauncherConfig, argv: list[str] | None = None) -> list[str]:
                    "use strategy=ddp (or auto)")
     if t.learning_rate <= 0:
         out.append(f"training.learning_rate={t.learning_rate}: must be positive")
-    if not 0 <= c.planner.safety_margin < 1:
+    if c.planner.safety_margin is not None and not 0 <= c.planner.safety_margin < 1:
         out.append(f"planner.safety_margin={c.planner.safety_margin}: must be in [0, 1), e.g. 0.05")
     if c.planner.max_micro_batch_size < 1:
         out.append(f"planner.max_micro_batch_size={c.planner.max_micro_batch_size}: must be at least 1")

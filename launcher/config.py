@@ -350,8 +350,10 @@ class ColossalAIConfig:
 
 @dataclass
 class PlannerConfig:
-    safety_margin: float = 0.05
-    """Fraction of device memory kept free when deciding that a candidate fits."""
+    safety_margin: Optional[float] = None
+    """Fraction of device memory kept free when deciding that a candidate fits. null = on GPUs the
+    90th percentile of the estimate's underestimates on published measurements (launcher/margin.py,
+    written by scripts/validate_gpu), on CPU processes 0.05."""
     max_micro_batch_size: int = 64
     """Largest micro-batch the search tries."""
 

@@ -291,7 +291,7 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
     fits_host = host_need <= cluster.host_memory_bytes
     if not fits_device:
         reason = (f"OOM: {gib(mem.device_total_bytes)} > {gib(usable)} usable "
-                  f"({config.planner.safety_margin:.0%} margin); largest term: {largest_term(mem.breakdown)}")
+                  f"({config.planner.safety_margin:.1%} margin); largest term: {largest_term(mem.breakdown)}")
     elif not fits_host:
         reason = f"host RAM: offload needs {gib(host_need)} per node > {gib(cluster.host_memory_bytes)}"
     else:
@@ -358,6 +358,11 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster) -> Plan:
     notes += [attn_note] if attn_note else []
     if chosen is not None:  # the trainable count of what the chosen candidate trains
         numbers = {**numbers, "num_trainable_params": ranked[chosen].num_trainable_params}
+        if cluster.device == "cuda":  # how sure its "fits" is (launcher/margin.py)
+            from launcher.margin import confidence_note
+
+            sure = confidence_note(ranked[chosen].memory.device_total_bytes, cluster.memory_bytes)
+            notes += [f"chosen candidate's {sure}"] if sure else []
         if ranked[chosen].trains != asked:
             notes.append(f"no candidate that trains {asked} fits: the chosen one trains "
                          f"{ranked[chosen].trains} ({ranked[chosen].num_trainable_params:,} parameters), "

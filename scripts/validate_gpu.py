@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import re
 import statistics
 import sys
@@ -26,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CSV = ROOT / "docs" / "validation" / "gpu_measurements.csv"
 ROWS = ROOT / "scripts" / "validate_gpu_rows.yaml"
 ACCURACY = ROOT / "docs" / "accuracy.md"
+ERRORS = ROOT / "launcher" / "data" / "gpu_errors.json"
 BEGIN, END = "<!-- gpu-validation:begin -->", "<!-- gpu-validation:end -->"
 UNIT_BYTES = {"GiB": 2**30, "GB": 10**9, "MiB": 2**20, "MB": 10**6}
 VIEWS = ("allocated", "reserved", "device_total", "unstated")
@@ -73,7 +75,8 @@ def plan_row(args: list[str], mode: str):
         from launcher.infer_plan import infer_plan
 
         r = infer_plan(config, spec)["per_gpu"]
-        views = {"allocated": r["peak_allocated_bytes"], "device_total": r["device_total_bytes"]}
+        views = {"allocated": r["peak_allocated_bytes"], "device_total": r["device_total_bytes"],
+                 "unstated": r["peak_allocated_bytes"]}  # a serving plan has no reserved view
         return views, None, config.hardware.memory_bytes
     from launcher import planner
     from launcher.hardware import cluster_from
@@ -161,6 +164,14 @@ def table(results: list[Result], waits: dict, total_rows: int) -> str:
     return "\n".join(out)
 
 
+def write_errors(results: list[Result]) -> None:
+    """The signed errors of the reliability A/B rows, for the planner's margin (launcher/margin.py)."""
+    rows = [{"id": r.key, "view": r.spec["view"], "error_percent": round(r.signed_error, 2)}
+            for r in results if r.signed_error is not None and r.row["reliability"] in TARGET_RELIABILITY]
+    ERRORS.write_text(json.dumps({"generated": time.strftime("%Y-%m-%d"), "source": "scripts/validate_gpu",
+                                  "rows": rows}, indent=1) + "\n")
+
+
 def write_accuracy(text: str) -> None:
     doc = ACCURACY.read_text() if ACCURACY.exists() else ""
     block = f"{BEGIN}\n{text}\n{END}"
@@ -199,7 +210,8 @@ def main(argv=None) -> int:
     print("\n".join(summarize(results)))
     if not a.no_write and not a.rows:
         write_accuracy(text)
-        print(f"\nwritten: {ACCURACY.relative_to(ROOT)}")
+        write_errors(results)
+        print(f"\nwritten: {ACCURACY.relative_to(ROOT)}, {ERRORS.relative_to(ROOT)}")
     return 0
 
 
