@@ -79,14 +79,22 @@ def test_command_lines_two_nodes():
                                   "/r/run.json"]
 
 
+TINY_ZERO3 = ("model=tiny-llama", "gpus=2", "hardware=cpu", "strategy=zero3", "training.seq_len=32",
+              "training.precision=bf16-mixed", "training.micro_batch_size=2", "training.global_batch_size=8",
+              "training.warmup_steps=3", "training.learning_rate=1e-3")
+"""A plan on 2 CPU processes: zero3, bf16-mixed, micro 2 x accum 2, 3 warm-up steps."""
+
+
+def trace_cache(tmp_path_factory) -> Path:
+    """One trace cache for the test session's CLI runs of the same model."""
+    return tmp_path_factory.getbasetemp() / "launcher-trace-cache"
+
+
 @pytest.fixture(scope="module")
 def zero3_run(tmp_path_factory) -> Path:
-    """A real plan on 2 CPU processes: zero3, bf16-mixed, micro 2 x accum 2, 3 warm-up steps."""
     root = tmp_path_factory.mktemp("exports")
-    r = run_cli("model=tiny-llama", "gpus=2", "hardware=cpu", "mode=plan", "strategy=zero3",
-                "training.seq_len=32", "training.precision=bf16-mixed", "training.micro_batch_size=2",
-                "training.global_batch_size=8", "training.warmup_steps=3", "training.learning_rate=1e-3",
-                "hydra.run.dir=run", f"cache_dir={root / 'cache'}", cwd=root)
+    r = run_cli(*TINY_ZERO3, "mode=plan", "hydra.run.dir=run", f"cache_dir={trace_cache(tmp_path_factory)}",
+                cwd=root)
     assert r.returncode == 0, r.stderr[-2000:]
     return root / "run"
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_cli
+from tests.unit.test_exports import TINY_ZERO3, trace_cache
 
 BLOOM = ("model=bloom-1b1", "gpus=4")
 SEGMENT_NAMES = ["parameters", "gradients", "optimizer states", "activations", "buffers", "allocator cache",
@@ -24,7 +25,7 @@ def runs(tmp_path_factory):
 
     def _run(*args, columns="120"):
         name = f"run{next(count)}"
-        r = run_cli(*args, f"hydra.run.dir={name}", f"cache_dir={root / 'cache'}", cwd=root,
+        r = run_cli(*args, f"hydra.run.dir={name}", f"cache_dir={trace_cache(tmp_path_factory)}", cwd=root,
                     env={"COLUMNS": columns})
         assert r.returncode == 0, r.stderr[-2000:]
         return r, root / name
@@ -95,8 +96,7 @@ def test_short_verdict(reason, short):
 
 
 def test_cpu_processes_not_gpus(runs):
-    r, _ = runs("model=tiny-llama", "gpus=2", "hardware=cpu", "mode=plan", "training.seq_len=64",
-                "training.micro_batch_size=2")
+    r, _ = runs(*TINY_ZERO3, "mode=plan")
     title = next(ln for ln in r.stdout.splitlines() if "tiny-llama" in ln)
     assert "2 CPU processes" in title and "per process" in title
     lines = r.stdout.splitlines()
@@ -220,8 +220,8 @@ def test_measured_peaks_and_curves_after_a_run(bloom, tmp_path):
 def test_plan_html_after_a_real_run(runs, tmp_path):
     """mode=run on 2 CPU processes rewrites plan.html with the measured peaks of both ranks and
     the loss and throughput of every step."""
-    r, run_dir = runs("model=tiny-llama", "gpus=2", "hardware=cpu", "mode=run", "training.seq_len=32",
-                      "training.micro_batch_size=2", "training.max_steps=3", "strategy=ddp")
+    r, run_dir = runs("model=tiny-llama", "gpus=2", "hardware=cpu", "mode=run", "strategy=ddp", "training.seq_len=32",
+                      "training.micro_batch_size=2", "training.max_steps=3")
     assert "trained 3 steps" in r.stdout
     errors, requests, facts = open_page(run_dir / "plan.html", tmp_path / "run.png")
     assert errors == [] and requests == []
