@@ -231,7 +231,7 @@ def _estimate(traces: TraceSet, layouts: list, notes, gathered, extra: dict, clu
                               tuple(notes) + CPU_NOTES)
     workspace = runtime.cublas_workspace_bytes(cluster.sm_arch)
     allocated = total[phase] + workspace
-    reserved = peak_reserved_bytes(layouts, traces.num_layers, cluster.sm_arch, allocated)
+    reserved = peak_reserved_bytes(layouts[-1], cluster.sm_arch, allocated)
     outside = runtime.cuda_context_bytes(cluster.cuda_context_bytes) + runtime.nccl_bytes(dp_size)
     bd["runtime"] = workspace + outside
     return MemoryEstimate(allocated, reserved, reserved + outside, host, bd, phase,

@@ -33,10 +33,10 @@ def allocation_events(layout: Layout, sm_arch: int) -> list[tuple]:
     return events
 
 
-def peak_reserved_bytes(layouts: list[Layout], num_layers: int, sm_arch: int, peak_allocated_bytes: int) -> int:
+def peak_reserved_bytes(deeper: Layout, sm_arch: int, peak_allocated_bytes: int) -> int:
     """Peak reserved of the full-depth step: its peak allocated (`peak_allocated_bytes`, the
     phase-aware estimate) plus the cache the allocator holds above its live bytes when the
-    steady-state step is replayed at the deeper traced depth.
+    steady-state step is replayed at the deeper traced depth (`deeper`, its layout).
 
     The held cache (peak reserved - peak allocated of a replay) comes from blocks that no later
     request could reuse, since segments are never returned: mostly those of the depth-independent
@@ -47,5 +47,5 @@ def peak_reserved_bytes(layouts: list[Layout], num_layers: int, sm_arch: int, pe
     traced depths (a few hundred MiB, either sign, where the two replays place blocks differently)
     nor the replays' own peak reserved is extrapolated, because the traced depths' peak may sit in
     another phase than the full-depth one."""
-    deeper = replay(allocation_events(layouts[-1], sm_arch))
-    return peak_allocated_bytes + deeper.peak_reserved - deeper.peak_allocated
+    replayed = replay(allocation_events(deeper, sm_arch))
+    return peak_allocated_bytes + replayed.peak_reserved - replayed.peak_allocated
