@@ -10,11 +10,11 @@ from __future__ import annotations
 import re
 import shutil
 
-from launcher.report import BREAKDOWN_KEYS, strategy_label, trains_label
+from launcher.report import BREAKDOWN_KEYS, line_width, strategy_label, trains_label
 from launcher.types import Candidate, Plan
 
 WIDTH = 120
-"""Widest line of the default table when the terminal does not say otherwise."""
+"""Widest line of the default table (launcher/report.py line_width); report=wide uses 220 or more."""
 
 
 def strategy_rows(plan: Plan) -> list[tuple[int, list[int]]]:
@@ -134,14 +134,13 @@ def print_plan(plan: Plan, capacity_bytes: int, device: str = "cuda", wide: bool
     from rich.console import Console
 
     if console is None:
-        columns = shutil.get_terminal_size((WIDTH, 24)).columns
-        console = Console(width=max(columns, 220) if wide else min(columns, WIDTH) if columns > 40 else WIDTH)
+        console = Console(width=max(shutil.get_terminal_size((WIDTH, 24)).columns, 220) if wide else line_width())
     unit, scale = unit_for(plan, capacity_bytes)
     console.print(build_table(plan, capacity_bytes, device, wide))
     for line in legend(plan, unit, device, wide):
-        console.print(line)
+        console.print(line, markup=False)
     for note in plan.notes:
-        console.print(f"note: {note}")
+        console.print(f"note: {note}", markup=False)
     if plan.chosen is not None:
         c = plan.candidates[plan.chosen]
         each = "per process" if device == "cpu" else "per GPU"
@@ -150,4 +149,4 @@ def print_plan(plan: Plan, capacity_bytes: int, device: str = "cuda", wide: bool
                       f"grad_accum_steps={c.grad_accum_steps}: {c.memory.device_total_bytes / scale:.2f} {unit} "
                       f"{each}, {c.speed.tokens_per_s:,.0f} tokens/s")
         for note in c.memory.notes:
-            console.print(f"  assumption: {note}")
+            console.print(f"  assumption: {note}", markup=False)
