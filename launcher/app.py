@@ -6,6 +6,7 @@ output dir. Everything it calls is pure: planner -> Plan, emit -> dict, launch -
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -175,7 +176,8 @@ def main(cfg: DictConfig) -> None:
     note = other_machine_note(config.hardware)
     if note and config.report.name != "json":
         print(report.wrapped(note), file=sys.stderr)
-    cluster = cluster_from(config.hardware, config.gpus, config.nodes)
+    # the job inherits this environment (torchrun, sbatch): its allocator settings shape peak reserved
+    cluster = cluster_from(config.hardware, config.gpus, config.nodes, os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
     from launcher.progress import working
 
     where = f"{config.gpus} CPU processes" if cluster.device == "cpu" else f"{config.gpus} x {config.hardware.name}"

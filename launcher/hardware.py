@@ -50,7 +50,20 @@ def detect_local_profile(profiles: list[str]) -> tuple[str, str]:
     return DEFAULT_PROFILE, f"unknown local GPU '{names[0]}': planning for hardware={DEFAULT_PROFILE}"
 
 
-def cluster_from(hw: HardwareConfig, num_gpus: int, num_nodes: int) -> Cluster:
+def expandable_segments(cuda_alloc_conf: str | None) -> bool:
+    """Whether a PYTORCH_CUDA_ALLOC_CONF value turns expandable segments on (torch's
+    CUDAAllocatorConfig parses comma-separated `key:value` options; the last one wins)."""
+    value = None
+    for option in (cuda_alloc_conf or "").split(","):
+        key, _, v = option.partition(":")
+        if key.strip() == "expandable_segments":
+            value = v.strip()
+    return value == "True"
+
+
+def cluster_from(hw: HardwareConfig, num_gpus: int, num_nodes: int, cuda_alloc_conf: str | None = None) -> Cluster:
+    """The devices a plan runs on; `cuda_alloc_conf`: the PYTORCH_CUDA_ALLOC_CONF the job will run
+    with (the caller's environment, which torchrun and sbatch hand down)."""
     return Cluster(
         hardware=hw.name, device=hw.device, num_gpus=num_gpus, num_nodes=num_nodes,
         memory_bytes=int(hw.memory_bytes), host_memory_bytes=int(hw.host_memory_bytes),
@@ -66,4 +79,5 @@ def cluster_from(hw: HardwareConfig, num_gpus: int, num_nodes: int) -> Cluster:
         framework_overhead_s={k: [float(x) for x in v] for k, v in (hw.framework_overhead_s or {}).items()},
         collective_gbps={k: {float(mib): float(g) for mib, g in v.items()} for k, v in (hw.collective_gbps or {}).items()},
         attention_tflops={k: float(v) for k, v in (hw.attention_tflops or {}).items()},
+        expandable_segments=hw.device == "cuda" and expandable_segments(cuda_alloc_conf),
     )

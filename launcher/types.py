@@ -42,6 +42,7 @@ class Cluster:
     framework_overhead_s: dict = field(default_factory=dict)  # strategy -> [per step s, per param tensor s]
     collective_gbps: dict = field(default_factory=dict)  # 'all_reduce_fp32'... -> {message MiB: bus GB/s}
     attention_tflops: dict = field(default_factory=dict)  # dtype -> fused attention TFLOP/s; {} = peak x efficiency
+    expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF expandable_segments:True in the job's environment
 
     @property
     def gpus_per_node(self) -> int:

@@ -231,13 +231,16 @@ def _estimate(traces: TraceSet, layouts: list, notes, gathered, extra: dict, clu
                               tuple(notes) + CPU_NOTES)
     workspace = runtime.cublas_workspace_bytes(cluster.sm_arch)
     allocated = total[phase] + workspace
-    reserved = peak_reserved_bytes(layouts[-1], cluster.sm_arch, allocated)
+    reserved = peak_reserved_bytes(layouts[-1], cluster.sm_arch, allocated, cluster.expandable_segments)
     outside = runtime.cuda_context_bytes(cluster.cuda_context_bytes) + runtime.nccl_bytes(dp_size)
     bd["runtime"] = workspace + outside
+    expandable = (EXPANDABLE_NOTE,) if cluster.expandable_segments else ()
     return MemoryEstimate(allocated, reserved, reserved + outside, host, bd, phase,
-                          tuple(notes) + GPU_NOTES)
+                          tuple(notes) + GPU_NOTES + expandable)
 
 
+EXPANDABLE_NOTE = ("PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True here and the job inherits it: "
+                   "the allocator replay grows one segment per pool by 2 MiB / 20 MiB pages.")
 CPU_NOTES = (
     "CPU processes: peak live tensor bytes (what torch's MemTracker measures), no allocator "
     "rounding, no CUDA/NCCL terms; offloaded host storages are included in the peak (and "

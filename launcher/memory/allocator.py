@@ -13,8 +13,14 @@ Rules (GPU_MEMORY.md, from the allocator source):
   request is below `max_split_size`); otherwise the whole block is handed out;
 - `free_block`: a freed block merges with free neighbours of its segment; segments are never
   returned (no `empty_cache`, no out-of-memory retry).
-Not modelled: streams (blocks used on a side stream are freed late), expandable segments,
-`roundup_power2_divisions`, garbage-collection thresholds.
+With `expandable_segments:True` (PYTORCH_CUDA_ALLOC_CONF; "Note [Expandable Segments]" in the
+same file) each pool is one segment per stream that grows by whole pages (2 MiB for the small pool,
+20 MiB for the large one): a request no free block fits is placed at the segment's end, extending
+the free block there (if any) by the pages it lacks, and reserved is the mapped pages; every block
+is split when at least 512 B remain (`should_split` with expandable segments); best fit and
+merging are as above.
+Not modelled: streams (blocks used on a side stream are freed late), `roundup_power2_divisions`,
+garbage-collection thresholds.
 """
 from __future__ import annotations
 
@@ -55,7 +61,9 @@ class _Block:
 class CachingAllocator:
     """Replays malloc/free; tracks allocated and reserved bytes and their peaks."""
 
-    def __init__(self):
+    def __init__(self, expandable_segments: bool = False):
+        self.expandable = expandable_segments
+        self._head = {True: None, False: None}  # expandable: the first block of each pool's segment
         self._free = {True: [], False: []}  # small? -> sorted keys
         self._blocks = {}  # key -> block, free blocks only
         self._seg_ids = itertools.count()
@@ -81,6 +89,8 @@ class CachingAllocator:
         if i < len(keys):
             block = self._blocks[keys[i]]
             self._remove(small, block)
+        elif self.expandable:
+            block = self._grow(small, size)
         else:
             seg_bytes = allocation_size(size)
             block = _Block(next(self._seg_ids), 0, seg_bytes, small)
@@ -88,7 +98,7 @@ class CachingAllocator:
             self.reserved += seg_bytes
             self.peak_reserved = max(self.peak_reserved, self.reserved)
         remaining = block.size - size
-        if (small and remaining >= MIN_BLOCK) or (not small and remaining > SMALL_SIZE):
+        if ((small or self.expandable) and remaining >= MIN_BLOCK) or (not small and remaining > SMALL_SIZE):
             rest = _Block(block.seg, block.offset + size, remaining, small)
             rest.prev, rest.next = block, block.next
             if block.next is not None:
@@ -97,6 +107,31 @@ class CachingAllocator:
             self._insert(small, rest)
         self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return block
+
+    def _grow(self, small: bool, size: int) -> _Block:
+        """Map pages at the end of the pool's one segment for `size` bytes: the free block at the
+        end (if any) grows by the missing pages, else a new block starts there."""
+        page = SMALL_BUFFER if small else LARGE_BUFFER
+        tail = self._head[small]  # merging keeps a segment's first block (it absorbs, never is absorbed)
+        while tail is not None and tail.next is not None:
+            tail = tail.next
+        if tail is not None and tail.free:
+            self._remove(small, tail)
+            added = -(-(size - tail.size) // page) * page
+            tail.size += added
+            block = tail
+        else:
+            added = -(-size // page) * page
+            block = _Block(0, (tail.offset + tail.size) if tail else 0, added, small)
+            block.free = False
+            block.prev = tail
+            if tail is not None:
+                tail.next = block
+            else:
+                self._head[small] = block
+        self.reserved += added
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
         return block
 
     def free(self, block: _Block) -> None:
@@ -119,10 +154,10 @@ class CachingAllocator:
         self._insert(small, block)
 
 
-def replay(events) -> CachingAllocator:
+def replay(events, expandable_segments: bool = False) -> CachingAllocator:
     """Replay `(time, op, key, nbytes)` tuples in order: op +1 allocates `nbytes` for `key`, -1
     frees `key` (unknown keys are ignored)."""
-    alloc = CachingAllocator()
+    alloc = CachingAllocator(expandable_segments)
     live = {}
     for _, op, key, nbytes in events:
         if op > 0:

@@ -33,7 +33,8 @@ def allocation_events(layout: Layout, sm_arch: int) -> list[tuple]:
     return events
 
 
-def peak_reserved_bytes(deeper: Layout, sm_arch: int, peak_allocated_bytes: int) -> int:
+def peak_reserved_bytes(deeper: Layout, sm_arch: int, peak_allocated_bytes: int,
+                        expandable_segments: bool = False) -> int:
     """Peak reserved of the full-depth step: its peak allocated (`peak_allocated_bytes`, the
     phase-aware estimate) plus the cache the allocator holds above its live bytes when the
     steady-state step is replayed at the deeper traced depth (`deeper`, its layout).
@@ -46,6 +47,7 @@ def peak_reserved_bytes(deeper: Layout, sm_arch: int, peak_allocated_bytes: int)
     full depth as it is, not scaled. Assumption: neither the held cache's change between the two
     traced depths (a few hundred MiB, either sign, where the two replays place blocks differently)
     nor the replays' own peak reserved is extrapolated, because the traced depths' peak may sit in
-    another phase than the full-depth one."""
-    replayed = replay(allocation_events(deeper, sm_arch))
+    another phase than the full-depth one. `expandable_segments`: the replay's allocator grows one
+    segment per pool (allocator.py)."""
+    replayed = replay(allocation_events(deeper, sm_arch), expandable_segments)
     return peak_allocated_bytes + replayed.peak_reserved - replayed.peak_allocated

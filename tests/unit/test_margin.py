@@ -47,3 +47,23 @@ def test_gpu_plan_states_how_sure_fits_is(cli):
 def test_margin_out_of_range_is_one_line(cli, value):
     r = cli("model=tiny-llama", "gpus=1", f"planner.safety_margin={value}")
     assert r.returncode == 2 and "planner.safety_margin" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("conf,on", [(None, False), ("", False), ("expandable_segments:True", True),
+                                     ("max_split_size_mb:128,expandable_segments:True", True),
+                                     ("expandable_segments:True,expandable_segments:False", False),
+                                     ("expandable_segments:true", False)])
+def test_expandable_segments_read_as_torch_parses_the_allocator_config(conf, on):
+    from launcher.hardware import expandable_segments
+
+    assert expandable_segments(conf) is on
+
+
+def test_plan_models_the_environment_s_expandable_segments(cli, monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    r = cli("model=tiny-llama", "gpus=1", "hardware=a100-80g", "strategy=single", "training.seq_len=128",
+            "training.micro_batch_size=1", "mode=plan")
+    assert r.returncode == 0, r.stderr
+    (run_dir,) = (cli.cwd / "runs").glob("*/*")
+    chosen = json.loads((run_dir / "plan.json").read_text())["candidates"][0]["memory"]
+    assert any("expandable_segments:True" in n for n in chosen["notes"])

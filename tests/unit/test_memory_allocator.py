@@ -91,3 +91,43 @@ def test_replay_tracks_peaks_and_never_releases():
     assert a.peak_allocated == 24 * MiB
     assert a.peak_reserved == 24 * MiB + 2 * MiB
     assert a.allocated == 1024
+
+
+def test_expandable_segment_grows_by_20mib_pages_and_tiles_requests():
+    a = CachingAllocator(expandable_segments=True)
+    a.malloc(15 * MiB)  # one page of 20 MiB mapped; 5 MiB left at the end
+    assert a.reserved == 20 * MiB
+    a.malloc(15 * MiB)  # the 5 MiB free tail grows by one page (5 + 20 >= 15)
+    assert a.reserved == 40 * MiB
+    a.malloc(10 * MiB)  # 10 MiB left at the end: fits without mapping
+    assert (a.reserved, a.allocated) == (40 * MiB, 40 * MiB)
+
+
+def test_expandable_segment_reuses_freed_slivers_that_fragment_a_plain_segment():
+    """Sizes that grow by a little each time (the batch N+1 case of the allocator's note). Plain
+    segments: 12 MiB gets a 12 MiB segment, 13 does not fit in it and gets 14 (rounded to 2 MiB),
+    14 reuses that one, 15 gets 16, 16 reuses it, 17 gets 18, 18 reuses it, 19 gets 20: 80 MiB
+    cached for a 19 MiB peak. The expandable segment maps one 20 MiB page and every request fits in
+    its free block."""
+    plain, grown = CachingAllocator(), CachingAllocator(expandable_segments=True)
+    for a in (plain, grown):
+        for n in range(12, 20):
+            a.free(a.malloc(n * MiB))
+    assert plain.reserved == (12 + 14 + 16 + 18 + 20) * MiB
+    assert grown.reserved == 20 * MiB
+
+
+def test_expandable_segment_extends_a_free_tail_instead_of_a_new_segment():
+    a = CachingAllocator(expandable_segments=True)
+    a.malloc(30 * MiB)  # two pages: 40 MiB mapped, 10 MiB free at the end
+    b = a.malloc(10 * MiB)  # the free tail serves it exactly
+    a.free(b)
+    a.malloc(25 * MiB)  # the 10 MiB free tail grows by one page to 30 MiB
+    assert a.reserved == 60 * MiB
+
+
+def test_expandable_small_pool_uses_2mib_pages():
+    a = CachingAllocator(expandable_segments=True)
+    for _ in range(3):
+        a.malloc(900 * 1024)
+    assert a.reserved == 4 * MiB  # 2700 KiB in 2 MiB pages
