@@ -313,9 +313,6 @@ def variant_problem(variant: TrainingVariant, strategy, device: str) -> str:
         return ""
     if strategy.backend == "colossalai":
         return "LoRA with ColossalAI plugins is not modelled; use ddp or DeepSpeed zero0-2"
-    if strategy.backend == "deepspeed" and strategy.zero_stage == 3:
-        return ("ZeRO-3 also partitions LoRA's frozen base weights; its memory model covers full "
-                "fine-tuning only; use zero0-2 or ddp")
     if lora.quant_type is not None:
         if device != "cuda":
             return ("QLoRA needs GPU quantized kernels (bitsandbytes, auto-gptq); hardware=cpu has none "

@@ -79,6 +79,7 @@ class TraceKey:
     double_quant: bool = False
     kbit_upcast: bool = False  # QLoRA: non-4-bit parameters cast to fp32 (peft prepare_model_for_kbit_training)
     gptq_group_size: int = 0  # quant_type gptq_*: group size of the GPTQ base (launcher/gptq.py)
+    zero3_linear: bool = False  # F.linear saves input, weight and bias (DeepSpeed ZeRO-3, `_zero3_linear`)
     adapter_autocast: bool = True  # peft autocast_adapter_dtype (fp32 adapters on a 16-bit model)
     tp_size: int = 1  # >1: trace one tensor-parallel rank's shard model (`tp_shard_config`)
 
@@ -406,6 +407,40 @@ def _watch_layers(model, num_layers: int, rec: _Recorder, marks: dict) -> None:
 
 
 @contextlib.contextmanager
+def _zero3_linear():
+    """`torch.nn.functional.linear` as DeepSpeed ZeRO-3 replaces it (memory_efficient_linear, on by
+    default: partition_parameters.py `_enable_mem_efficient_linear` -> runtime/zero/linear.py
+    `zero3_linear_wrap`): an autograd function that computes `input.matmul(weight.t())` (+ bias)
+    and saves input, weight and bias for backward whatever needs a gradient, so a frozen
+    Linear (LoRA's base) keeps its input, which torch's own linear does not."""
+    import torch
+
+    class LinearFunctionForZeroStage3(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, bias=None):
+            ctx.save_for_backward(x, weight, bias)
+            out = x.matmul(weight.t())
+            if bias is not None:
+                out += bias
+            return out
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            x, weight, bias = ctx.saved_tensors
+            grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+            grad_w = grad_out.flatten(0, -2).t().matmul(x.flatten(0, -2)) if ctx.needs_input_grad[1] else None
+            grad_b = grad_out.flatten(0, -2).sum(0) if bias is not None and ctx.needs_input_grad[2] else None
+            return grad_x, grad_w, grad_b
+
+    original = torch.nn.functional.linear
+    torch.nn.functional.linear = lambda x, weight, bias=None: LinearFunctionForZeroStage3.apply(x, weight, bias)
+    try:
+        yield
+    finally:
+        torch.nn.functional.linear = original
+
+
+@contextlib.contextmanager
 def _unpacked_sequences():
     """Answer transformers' packed-sequence check the way a real run on our inputs does.
 
@@ -495,7 +530,8 @@ def trace_step(key: TraceKey) -> StepTrace:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     rec, marks, grads = _Recorder(), {}, {}
-    with _unpacked_sequences(), FakeTensorMode(allow_non_fake_inputs=True), _dispatch_mode(rec):
+    linear = _zero3_linear() if key.zero3_linear else contextlib.nullcontext()
+    with _unpacked_sequences(), linear, FakeTensorMode(allow_non_fake_inputs=True), _dispatch_mode(rec):
         model, opt = _run_step(key, rec, marks, grads)
         n, num_events = len(rec.nbytes), marks["end"]  # later frees and rows are not the step's
         params, param_rows = _param_table(model, rec)
@@ -586,7 +622,8 @@ def cache_key(key: TraceKey) -> str:
     from importlib.metadata import version
 
     fields = dataclasses.asdict(key)
-    for name in ("kbit_upcast", "gptq_group_size", "lora_dora", "lora_modules_to_save"):  # unset: hashed as before they existed
+    for name in ("kbit_upcast", "gptq_group_size", "lora_dora", "lora_modules_to_save", "zero3_linear"):
+        # unset: the key hashes as before the field existed
         if not fields.get(name):
             fields.pop(name, None)
     if fields.get("tp_size") == 1:  # keys without tensor parallelism hash as before tp_size existed

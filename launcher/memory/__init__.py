@@ -85,8 +85,9 @@ def trace_request(strategy: Strategy, workload: Workload) -> dict:
         problem = deepspeed_support_problem(strategy, workload.precision)
         if problem:
             raise ConfigError(problem)
+        # ZeRO-3 replaces F.linear by a function that saves each Linear's input (trace.py `_zero3_linear`)
         return {"param_dtype": DEEPSPEED_PRECISION[workload.precision], "autocast_dtype": None,
-                "optimizer": "none"}
+                "optimizer": "none", **({"zero3_linear": True} if strategy.zero_stage == 3 else {})}
     if strategy.backend == "colossalai":
         from .colossalai import trace_request as colossalai_trace_request
 
@@ -114,7 +115,7 @@ def _layouts(traces: TraceSet, strategy: Strategy, workload: Workload, ds, ddp, 
     layouts = [build(t, z) for t in depths]
     gathered = None
     if z.stage == 3:  # all kept: on the per-depth curve (zero3.py gathered_param_terms)
-        gathered = gathered_param_bytes(full_depth_numels(traces.depth1, traces.num_layers), z)
+        gathered = gathered_param_bytes(full_depth_numels(traces.depth1, traces.num_layers, frozen_too=True), z)
         gathered = (0, True) if gathered[1] else gathered
     return layouts, deepspeed_notes(z, gathered), gathered
 

@@ -206,16 +206,20 @@ def extrapolate_peaks(layouts: list, peaks: list, num_layers: int) -> PhasePeaks
 def trainable_params(trace: StepTrace) -> list[int]:
     """Indices of the distinct trainable parameters in `named_parameters()` order (tied copies
     dropped: `module.parameters()` yields a shared parameter once)."""
-    p = trace.params
-    return [i for i in range(len(p.names)) if p.trainable[i] and p.tied_to[i] < 0]
+    return [i for i in distinct_params(trace) if trace.params.trainable[i]]
 
 
-def full_depth_numels(trace: StepTrace, num_layers: int) -> list[int]:
-    """The trainable parameters of the real-depth model in forward order: the shallow trace's
-    parameters before its first layer, its layer-0 parameters repeated `num_layers` times, then
-    the rest."""
+def distinct_params(trace: StepTrace) -> list[int]:
+    """Indices of every distinct parameter, trainable or frozen (tied copies dropped)."""
+    return [i for i in range(len(trace.params.names)) if trace.params.tied_to[i] < 0]
+
+
+def full_depth_numels(trace: StepTrace, num_layers: int, frozen_too: bool = False) -> list[int]:
+    """The trainable (`frozen_too`: all) parameters of the real-depth model in forward order: the
+    shallow trace's parameters before its first layer, its layer-0 parameters repeated
+    `num_layers` times, then the rest."""
     p = trace.params
-    idx = [i for i in range(len(p.names)) if p.trainable[i] and p.tied_to[i] < 0]
+    idx = [i for i in distinct_params(trace) if frozen_too or p.trainable[i]]
     in_layer = [k for k, i in enumerate(idx) if p.layer[i] >= 0]
     first, last = (in_layer[0], in_layer[-1]) if in_layer else (len(idx), len(idx) - 1)
     layer0 = [int(p.numel[i]) for i in idx if p.layer[i] == 0]

@@ -14,8 +14,8 @@ import math
 
 from launcher.steptrace import Kind, Role, StepTrace
 
-from .common import (Layout, free_at_next_ready, full_depth_numels, grad_ready_order,  # noqa: F401
-                     optimizer_step_temp_numel, trainable_params)
+from .common import (Layout, distinct_params, free_at_next_ready, full_depth_numels,  # noqa: F401
+                     grad_ready_order, optimizer_step_temp_numel, trainable_params)
 from .deepspeed import ZeroSetup, _states, numels
 
 
@@ -61,14 +61,22 @@ def zero3_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
     sizes = numels(trace)
     parts = [partition_numel(n, dp) for n in sizes]
     total_part = sum(parts)
-    persistent = sum(n for n in sizes if n <= z.ds.stage3_param_persistence_threshold)
+    p = trace.params
+    every = [int(p.numel[i]) for i in distinct_params(trace)]
+    frozen = [int(p.numel[i]) for i in distinct_params(trace) if not p.trainable[i]]
+    persistent = sum(n for n in every if n <= z.ds.stage3_param_persistence_threshold)
     layout = Layout.of(trace, reduce_events=1, step_events=2)
     layout.drop(Kind.PARAM)
     off_opt, off_par = z.offload_optimizer, z.offload_params
-    # _create_fp16_partitions_with_defragmentation: one flat buffer of this rank's partitions
-    # (param offload: `_create_param_groups_fp16_flat_cpu_memory`, host)
+    # _create_fp16_partitions_with_defragmentation: one flat buffer of this rank's partitions of
+    # the trainable parameters (param offload: `_create_param_groups_fp16_flat_cpu_memory`, host)
     layout.add("16bit_param_partitions", "parameters", e * total_part, host=off_par)
-    # persistent parameters (numel <= stage3_param_persistence_threshold) stay gathered
+    # frozen parameters (LoRA's base) are partitioned too, each into its own ds_tensor
+    # (partition_parameters.py `_partition_param`), outside the optimizer's flat buffer
+    if frozen:
+        layout.add("frozen_param_partitions", "parameters", e * sum(partition_numel(n, dp) for n in frozen),
+                   host=off_par)
+    # persistent parameters (numel <= stage3_param_persistence_threshold), frozen or not, stay gathered
     layout.add("persistent_gathered_params", "parameters", e * persistent)
     if all_kept_gathered(trace, z):
         gathered_param_terms(layout, trace, z)
@@ -132,9 +140,9 @@ def gathered_param_bytes(sizes: list[int], z: ZeroSetup) -> tuple[int, bool]:
 
 
 def all_kept_gathered(trace: StepTrace, z: ZeroSetup) -> bool:
-    """No parameter of the real-depth model is released between its forward and its backward
-    (`gathered_param_bytes` at full depth)."""
-    return gathered_param_bytes(full_depth_numels(trace, z.num_layers or trace.num_layers), z)[1]
+    """No parameter of the real-depth model, frozen or trainable, is released between its forward
+    and its backward (`gathered_param_bytes` at full depth)."""
+    return gathered_param_bytes(full_depth_numels(trace, z.num_layers or trace.num_layers, frozen_too=True), z)[1]
 
 
 def fetch_event(trace: StepTrace, role: int) -> int:
@@ -166,10 +174,34 @@ def gathered_param_terms(layout: Layout, trace: StepTrace, z: ZeroSetup) -> None
     without a traced gradient: until backward ends)."""
     t, e = trace, z.model_bytes
     ready = dict(grad_ready_order(t))
+    released = module_backward_events(t, ready)
     fallback = layout.reduce_ev(0)
-    for i in trainable_params(t):
+    for i in distinct_params(t):
         n = int(t.params.numel[i])
         if n <= z.ds.stage3_param_persistence_threshold:
             continue
-        end = int(layout.ev(ready[i])) + 1 if i in ready else fallback
+        end = int(layout.ev(released[i])) + 1 if i in released else fallback
         layout.add("gathered_params", "parameters", e * n, fetch_event(t, int(t.params.role[i])), end)
+
+
+def module_backward_events(trace: StepTrace, ready: dict) -> dict:
+    """The traced event after which each parameter's module has run its backward: a trainable
+    parameter's gradient ready event; a frozen one (LoRA's base weight, which has no gradient) takes
+    the latest gradient ready in its own module (its adapters: `...q_proj.base_layer.weight` and
+    `...q_proj.lora_A...`), else in its decoder layer; frozen parameters outside the layers are
+    released when backward ends (no entry)."""
+    p = trace.params
+    module = lambda name: name.rsplit(".", 1)[0].removesuffix(".base_layer")  # noqa: E731
+    by_module: dict = {}
+    by_layer: dict = {}
+    for i, event in ready.items():
+        by_module.setdefault(module(p.names[i]).split(".lora_")[0], []).append(event)
+        by_layer.setdefault(int(p.layer[i]), []).append(event)
+    out = dict(ready)
+    for i in distinct_params(trace):
+        if i in out:
+            continue
+        events = by_module.get(module(p.names[i])) or (by_layer.get(int(p.layer[i])) if p.layer[i] >= 0 else None)
+        if events:
+            out[i] = max(events)
+    return out

@@ -179,3 +179,27 @@ def test_gpu_estimate_adds_runtime_terms_and_reserved_covers_allocated():
     assert est.peak_reserved_bytes >= est.peak_allocated_bytes
     assert est.device_total_bytes == est.peak_reserved_bytes + 768 * 2**20 + 544 * 2**20
     assert any("nccl" in n.lower() for n in est.notes)
+
+
+def test_zero3_linear_stand_in_saves_what_deepspeed_s_linear_saves():
+    """The traced F.linear under ZeRO-3 (trace.py `_zero3_linear`) keeps the same tensors for
+    backward as DeepSpeed's own `zero3_linear_wrap`: for a frozen weight, the input too."""
+    import torch
+
+    linear_mod = pytest.importorskip("deepspeed.runtime.zero.linear")
+    from launcher.trace import _zero3_linear
+
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    w = torch.randn(4, 8)  # frozen
+    original = torch.nn.functional.linear
+    with _zero3_linear():
+        ours = torch.nn.functional.linear(x, w)
+    assert torch.nn.functional.linear is original  # restored after the trace
+    theirs = linear_mod.zero3_linear_wrap(x, w)
+    shapes = lambda fn: [tuple(t.shape) for t in fn.saved_tensors if t is not None]  # noqa: E731
+    assert shapes(ours.grad_fn) == shapes(theirs.grad_fn) == [(2, 5, 8), (4, 8)]
+    assert torch.allclose(ours, theirs)
+    g = torch.randn_like(ours)
+    (gx_ours,) = torch.autograd.grad(ours, x, g)
+    (gx_theirs,) = torch.autograd.grad(theirs, x, g)
+    assert torch.allclose(gx_ours, gx_theirs)
