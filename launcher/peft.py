@@ -210,7 +210,9 @@ def expert_parameters(model) -> list:
     transformers 5's `MixtralExperts.gate_up_proj` / `down_proj` and their kind). QLoRA quantizes
     each expert's matrix as bitsandbytes quantizes the per-expert Linear weights of the 2D layout
     (transformers 4's `MixtralBlockSparseTop2MLP.w1/w2/w3` are Linear4bit there), so the 4-bit bytes
-    are per expert (launcher/quant.py `four_bit_weight_bytes` x num_experts)."""
+    are per expert (launcher/quant.py `four_bit_weight_bytes` x num_experts). Not traced: the
+    16-bit copy of one expert's matrix that dequantizing it would make during its matmul
+    (transformers 5's experts index the 3D parameter directly)."""
     return [p for name, module in model.named_modules() if name.rsplit(".", 1)[-1] == "experts"
             for p in module.parameters(recurse=False) if p.dim() == 3]
 

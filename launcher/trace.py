@@ -16,7 +16,11 @@ trainable adapters get gradients and optimizer states. QLoRA (`quant_type`): tra
 base in the compute dtype, every Linear bitsandbytes would quantize running through a stand-in of
 `MatMul4Bit` (dequantize-to-temporary, multiply, free); then the storage bytes of those base
 weights are replaced by their 4-bit bitsandbytes layout (launcher/quant.py). What is modelled, not
-traced, is therefore only the size of the 4-bit weights; every other storage is traced.
+traced, is therefore only the size of the 4-bit weights; every other storage is traced. With
+`kbit_upcast` the other parameters are cast to fp32 first, as peft's prepare_model_for_kbit_training
+does. A GPTQ base (`quant_type` gptq_*) is traced with AutoGPTQ's QuantLinear buffers and its
+dequantizing forward (launcher/gptq.py). Under DeepSpeed ZeRO-3 (`zero3_linear`) F.linear is
+DeepSpeed's memory-efficient linear, which saves every Linear's input (`_zero3_linear`).
 
 Traces at two depths (`trace_set`) are cached on disk; `at_micro_batch` rebuilds the trace of
 any micro-batch size from the traces at two consecutive micro-batch sizes.
@@ -350,17 +354,15 @@ def _apply_lora(model, key: TraceKey):
 
     settings = key.lora_settings()
     linears = lp.quantizable_linears(model) if key.quant_type else []
-    if key.quant_type in GPTQ_BITS:  # a GPTQ checkpoint: QuantLinear buffers, traced as they are
+    gptq = key.quant_type in GPTQ_BITS
+    experts = lp.expert_parameters(model) if key.quant_type and not gptq else []
+    if gptq:  # a GPTQ checkpoint: QuantLinear buffers and dequantization, traced as they are
         gptq_stand_in(linears, GPTQ_BITS[key.quant_type], key.gptq_group_size)
-        with lp.fake_tensor_adapter_moves():
-            model = lp.apply_lora(model, settings, autocast_adapter_dtype=key.adapter_autocast)
-        return model, []
-    experts = lp.expert_parameters(model) if key.quant_type else []
-    if key.kbit_upcast:
+    elif key.kbit_upcast:
         lp.upcast_non_quantized(model, [m.weight for m in linears] + experts)
     with lp.fake_tensor_adapter_moves():
         model = lp.apply_lora(model, settings, autocast_adapter_dtype=key.adapter_autocast)
-    return model, lp.qlora_stand_in(linears) + experts
+    return model, ([] if gptq else lp.qlora_stand_in(linears) + experts)
 
 
 def _four_bit_rows(nbytes: list, quantized, rec: _Recorder, key: TraceKey) -> None:
