@@ -277,7 +277,7 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
             raise ConfigError(f"strategy=cai_pp: gradient accumulation {accum} is not a multiple of "
                               f"colossalai.num_microbatches={m}; change training.global_batch_size")
     mem = memory.estimate_memory(traces, strategy, wl, cluster, config.deepspeed, config.ddp, dp,
-                                 cai=config.colossalai)
+                                 cai=config.colossalai, attention_workspace_bytes=attention_workspace(spec, strategy, wl))
     mem = replace(mem, notes=tuple(mem.notes) + trace_notes(trace_key(spec, strategy, wl, variant.lora)))
     flops = {k: traces.at_depth(lambda t, k=k: t.flops.get(k, 0.0))
              for k in ("forward", "backward", "attention_forward", "attention_backward")}
@@ -300,6 +300,20 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
                      peft=variant.lora.to_dict() if variant.lora else None,
                      gradient_checkpointing=variant.gradient_checkpointing,
                      num_trainable_params=numbers["num_trainable_params"]), numbers
+
+
+def attention_workspace(spec: ModelSpec, strategy: Strategy, wl: Workload) -> int:
+    """FlashAttention-2's backward workspace of one layer on a GPU (memory/runtime.py
+    `flash_attention_backward_bytes`) for 16-bit flash_attention_2 and sdpa (whose flash backend
+    serves 16-bit causal attention without a mask); 0 for eager and fp32 attention."""
+    from launcher.memory.runtime import flash_attention_backward_bytes
+
+    if wl.attn_implementation not in ("sdpa", "flash_attention_2") or wl.precision == "32-true":
+        return 0
+    tp = strategy.tp_size
+    head_dim = spec.hf_config.get("head_dim") or spec.hidden_size // spec.num_attention_heads
+    return flash_attention_backward_bytes(wl.micro_batch_size, wl.seq_len, spec.num_attention_heads // tp,
+                                          max(1, spec.num_key_value_heads // tp), head_dim)
 
 
 def step_counts(traces, config: LauncherConfig):

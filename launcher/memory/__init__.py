@@ -167,10 +167,12 @@ def deepspeed_notes(z: ZeroSetup, gathered) -> tuple:
 
 def estimate_memory(traces: TraceSet, strategy: Strategy, workload: Workload, cluster: Cluster,
                     ds: DeepSpeedConfig, ddp: DDPConfig, dp_size: int,
-                    cai: ColossalAIConfig | None = None) -> MemoryEstimate:
+                    cai: ColossalAIConfig | None = None, attention_workspace_bytes: int = 0) -> MemoryEstimate:
     """Peak memory of the worst rank of `strategy` (module docstring: method and assumptions),
     with every rank's peak in `per_rank_peak_allocated_bytes` when ranks differ (ZeRO 1-2).
-    ColossalAI strategies (colossalai.py) may add full-depth storages per phase (`extra`)."""
+    ColossalAI strategies (colossalai.py) may add full-depth storages per phase (`extra`).
+    `attention_workspace_bytes`: a GPU attention kernel's backward workspace
+    (runtime.py `flash_attention_backward_bytes`), added to the backward peak on cuda."""
     extra: dict = {}
     if strategy.backend == "colossalai":
         from .colossalai import colossalai_memory
@@ -184,6 +186,10 @@ def estimate_memory(traces: TraceSet, strategy: Strategy, workload: Workload, cl
             notes, gathered = deepspeed_notes(_zero_setup(traces, strategy, workload, ds, dp_size), None), None
         else:
             layouts, notes, gathered = _layouts(traces, strategy, workload, ds, ddp, dp_size)
+    if cluster.device == "cuda" and attention_workspace_bytes:
+        extra = {**extra, "backward": dict(extra.get("backward", {}))}
+        extra["backward"]["buffers"] = extra["backward"].get("buffers", 0) + attention_workspace_bytes
+        notes = tuple(notes) + (FLASH_NOTE,)
     if not groups:
         return _estimate(traces, layouts, notes, gathered, extra, cluster, dp_size)
     per_rank, worst = {}, None
@@ -240,6 +246,8 @@ def _estimate(traces: TraceSet, layouts: list, notes, gathered, extra: dict, clu
                           tuple(notes) + GPU_NOTES + expandable)
 
 
+FLASH_NOTE = ("GPU flash attention backward: its fp32 dq accumulator and, with grouped-query attention, "
+              "K/V gradients expanded to every head (flash_api.cpp mha_bwd) are added to the backward peak.")
 EXPANDABLE_NOTE = ("PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True here and the job inherits it: "
                    "the allocator replay grows one segment per pool by 2 MiB / 20 MiB pages.")
 CPU_NOTES = (

@@ -46,3 +46,22 @@ def nccl_bytes(num_ranks: int, num_process_groups: int = 1) -> int:
         return 0
     per_group = 544 * MIB if num_ranks == 2 else 688 * MIB
     return per_group * num_process_groups
+
+
+def flash_attention_backward_bytes(batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
+                                   head_dim: int, elem_bytes: int = 2) -> int:
+    """Workspace FlashAttention-2's backward allocates for one attention call on a GPU, besides its
+    outputs (flash-attention csrc/flash_attn/flash_api.cpp `mha_bwd`, vendored by PyTorch's SDPA
+    flash backend in aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp):
+    - dq_accum: fp32 [batch, seqlen_q rounded up to 128, heads, head_dim rounded up to 32];
+    - softmax_d: fp32 [batch, heads, seqlen_q rounded up to 128];
+    - with grouped-query attention (kv heads < heads) dk_expanded and dv_expanded: [batch, seqlen_k,
+      heads, head_dim] in the input dtype, summed over each group afterwards.
+    A CPU trace does not see them (they live inside the kernel call); they exist during one
+    layer's attention backward at a time."""
+    s_rounded = -(-seq_len // 128) * 128
+    d_rounded = -(-head_dim // 32) * 32 if head_dim <= 192 else 256
+    out = batch * s_rounded * num_heads * d_rounded * 4 + batch * num_heads * s_rounded * 4
+    if num_kv_heads < num_heads:
+        out += 2 * batch * seq_len * num_heads * head_dim * elem_bytes
+    return out

@@ -99,3 +99,13 @@ def test_fp16_is_refused_on_cpu_processes():
     assert "16-mixed" in unsupported_reason(z2, "16-mixed", "cpu")
     assert unsupported_reason(z2, "16-mixed", "cuda") is None
     assert unsupported_reason(z2, "bf16-mixed", "cpu") is None
+
+
+def test_flash_attention_backward_workspace_by_hand():
+    """Mistral-7B shapes, micro-batch 4 x 4096 tokens, 32 heads of 128, 8 KV heads, bf16:
+    dq_accum 4*4096*32*128*4 B, softmax_d 4*32*4096*4 B, expanded dK and dV 2*4*4096*32*128*2 B."""
+    from launcher.memory.runtime import flash_attention_backward_bytes
+
+    assert flash_attention_backward_bytes(4, 4096, 32, 8, 128) == 268_435_456 + 2_097_152 + 268_435_456
+    # no grouped-query attention: no expanded K/V; sequence rounded up to 128, head dim to 32
+    assert flash_attention_backward_bytes(1, 100, 2, 2, 80) == 1 * 128 * 2 * 96 * 4 + 1 * 2 * 128 * 4
