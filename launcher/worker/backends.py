@@ -3,6 +3,9 @@
     backend.micro_step(input_ids, last)  forward + backward of one micro-batch -> loss (detached)
     backend.optimizer_step()             clip, step, schedule, zero grads
     backend.lr, backend.save(dir, rank), backend.load(dir)
+    backend.load_neutral(dir)             optimizer and scheduler from the layout-neutral form
+                                          (launcher/worker/layout.py; the weights are loaded
+                                          into the model before it is wrapped)
 
 Both use a torch optimizer (`torch.optim.AdamW` / `SGD`). With DeepSpeed this is deliberate:
 its own FusedAdam / DeepSpeedCPUAdam are C++ ops compiled on first use (~150 s on CPU), and
@@ -155,6 +158,13 @@ class DDPBackend:
             obj.load_state_dict(torch.load(directory / f"{name}.pt", map_location=device, weights_only=True))
         self._meter.track_external(self.module, self.optimizer)
 
+    def load_neutral(self, directory: Path) -> None:
+        from launcher.worker import layout
+
+        self.optimizer.load_state_dict(layout.neutral_optimizer(directory))
+        self.scheduler.load_state_dict(layout.neutral_scheduler(directory))
+        self._meter.track_external(self.module, self.optimizer)
+
 
 def deepspeed_config(spec, world_size: int) -> dict:
     """The run's ds_config with the batch keys filled from the spec and checked against it."""
@@ -254,6 +264,37 @@ class DeepSpeedBackend:
         path, _ = self.engine.load_checkpoint(str(directory), tag=DS_TAG)
         if path is None:
             raise ConfigError(f"DeepSpeed could not load the checkpoint in {directory}")
+        self._meter.track_external(self.engine.module, self._base_optimizer)
+
+    def load_neutral(self, directory: Path) -> None:
+        """ZeRO-0 holds the torch optimizer whole; ZeRO 1-3 take each parameter's full moments
+        through DeepSpeed's `safe_set_full_optimizer_state` after the flat partitions' torch
+        states exist (ZeRO 1/2 create them lazily at the first step)."""
+        import torch
+        from deepspeed.utils import safe_set_full_optimizer_state
+
+        from launcher.worker import layout
+
+        saved = layout.neutral_optimizer(directory)
+        self.scheduler.load_state_dict(layout.neutral_scheduler(directory))
+        if self.engine.zero_optimization_stage() == 0:
+            self._base_optimizer.load_state_dict(saved)
+        else:
+            step = next(iter(saved["state"].values()))["step"]
+            zero = self.engine.optimizer
+            flats = getattr(zero, "fp32_partitioned_groups_flat", None) or zero.single_partition_of_fp32_groups
+            for flat in flats:
+                state = self._base_optimizer.state[flat]
+                state["step"] = torch.tensor(float(step))
+                for key in ("exp_avg", "exp_avg_sq"):
+                    state.setdefault(key, torch.zeros_like(flat))
+            if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
+                zero._hp_optimizer_states_linked = False
+                zero._lazy_init_hp_params_optimizer_state()
+            params = [p for p in self.engine.module.parameters() if p.requires_grad]
+            for index, param in enumerate(params):
+                for key in ("exp_avg", "exp_avg_sq"):
+                    safe_set_full_optimizer_state(param, saved["state"][index][key].to(param.device), key)
         self._meter.track_external(self.engine.module, self._base_optimizer)
 
 

@@ -31,7 +31,6 @@ from launcher.errors import ConfigError
 
 PLUGINS = ("TorchDDPPlugin", "LowLevelZeroPlugin", "GeminiPlugin", "HybridParallelPlugin")
 TEST_PRELOAD_ENV = "LAUNCHER_COLOSSALAI_TEST_PRELOAD"
-CKPT_MODEL, CKPT_OPTIM = "model", "optimizer"
 
 
 def check_plugin_config(framework_config: dict) -> None:
@@ -157,16 +156,25 @@ class ColossalAIBackend:
         return float(self.scheduler.get_last_lr()[0])
 
     def save(self, directory: Path, rank: int) -> None:
+        """Unsharded: the booster gathers ZeRO and tensor-parallel shards into the layout-neutral
+        form (launcher/worker/layout.py), which every plugin and backend can read."""
         import torch
 
-        self.booster.save_model(self.model, str(directory / CKPT_MODEL), shard=True)
-        self.booster.save_optimizer(self.optimizer, str(directory / CKPT_OPTIM), shard=True)
+        from launcher.worker import layout
+
+        self.booster.save_model(self.model, str(directory / layout.MODEL), shard=False)
+        self.booster.save_optimizer(self.optimizer, str(directory / layout.OPTIMIZER), shard=False)
         if rank == 0:
-            torch.save(self.scheduler.state_dict(), directory / "scheduler.pt")
+            torch.save(self.scheduler.state_dict(), directory / layout.SCHEDULER)
 
     def load(self, directory: Path) -> None:
-        import torch
+        from launcher.worker import layout
 
-        self.booster.load_model(self.model, str(directory / CKPT_MODEL))
-        self.booster.load_optimizer(self.optimizer, str(directory / CKPT_OPTIM))
-        self.scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=True))
+        self.booster.load_model(self.model, str(directory / layout.MODEL))
+        self.load_neutral(directory)
+
+    def load_neutral(self, directory: Path) -> None:
+        from launcher.worker import layout
+
+        self.booster.load_optimizer(self.optimizer, str(directory / layout.OPTIMIZER))
+        self.scheduler.load_state_dict(layout.neutral_scheduler(directory))

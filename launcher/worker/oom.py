@@ -12,7 +12,8 @@ them when one rank exits.
 
 Testing aid: with LAUNCHER_SIMULATE_OOM_ABOVE_BYTES=N (set from `worker.simulate_oom_above_bytes`)
 a step whose measured peak exceeds N bytes raises `torch.OutOfMemoryError`, as a device with
-N bytes would, so the whole path can be exercised on CPU.
+N bytes would, so the whole path can be exercised on CPU. With LAUNCHER_SIMULATE_OOM_FROM_STEP=K
+as well, only steps K and later are held to that capacity (a run that fails in the middle).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from typing import Optional
 
 OOM_EXIT_CODE = 3
 SIMULATE_ENV = "LAUNCHER_SIMULATE_OOM_ABOVE_BYTES"
+SIMULATE_FROM_STEP_ENV = "LAUNCHER_SIMULATE_OOM_FROM_STEP"
 _CPU_MESSAGES = ("out of memory", "DefaultCPUAllocator: can't allocate")
 
 
@@ -54,6 +56,8 @@ def check_simulated(peak, progress: Progress) -> None:
     """Raise torch.OutOfMemoryError when the step's measured peak exceeds the simulated capacity."""
     cap = simulated_cap_bytes()
     if cap is None or peak is None or peak.allocated_bytes <= cap:
+        return
+    if progress.step < int(os.environ.get(SIMULATE_FROM_STEP_ENV) or 0):
         return
     import torch
 

@@ -12,7 +12,7 @@ import warnings
 from dataclasses import asdict, dataclass
 
 from launcher.errors import ConfigError
-from launcher.worker import checkpoint, metrics, oom
+from launcher.worker import checkpoint, layout, metrics, oom, stop
 from launcher.worker.backends import check_backend, make_backend
 from launcher.worker.data import (PackedDataset, load_dataset, micro_batch_positions, read_documents,
                                   samples_per_step)
@@ -128,21 +128,27 @@ def run(spec) -> None:
     env = rank_env(spec)
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     oom.exit_if_oom_before_restart(spec, env.rank, restart_count)
-    # after an elastic restart (torchrun --max-restarts) continue from the latest checkpoint
-    resume = spec.resume or restart_count > 0
-    resume_dir = checkpoint.find_resume_dir(spec.run_dir, resume, warn=env.rank == 0)
+    resume_dir = _resume_dir(spec, restart_count, env.rank == 0)
+    stop.install_handlers()
     init_distributed(spec, env)
     import torch.distributed as dist
 
     progress = oom.Progress()
     try:
-        train(spec, env, inputs, dataset, resume_dir, progress)
+        stopped = train(spec, env, inputs, dataset, resume_dir, progress)
+    except checkpoint.DiskFullError as err:
+        print(f"error: {err.strerror}", file=sys.stderr, flush=True)
+        sys.stderr.flush()
+        os._exit(checkpoint.DISK_FULL_EXIT_CODE)
     except Exception as err:
         if oom.is_oom(err):
             oom.exit_after_oom(spec, env.rank, env.device, progress, err)
         raise
     finally:
         dist.destroy_process_group()
+    if stopped:
+        sys.stdout.flush()
+        os._exit(stop.STOPPED_EXIT_CODE)
     # ColossalAI, DeepSpeed and torch's own pools leave joinable C++ threads behind: interpreter
     # teardown then intermittently aborts ("terminate called without an active exception") after
     # a finished run, which torchrun reports as a failed rank. Every file is written and closed
@@ -150,6 +156,16 @@ def run(spec) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _resume_dir(spec, restart_count: int, warn: bool):
+    """resume=true: the newest complete checkpoint of this run directory; resume=<checkpoint>
+    (the fallback's next attempt): that one until this attempt has saved its own. After an
+    elastic restart (torchrun --max-restarts) the newest complete checkpoint is taken."""
+    if isinstance(spec.resume, str):
+        own = checkpoint.find_resume_dir(spec.run_dir, True, warn=False) if restart_count > 0 else None
+        return own or checkpoint.find_resume_dir(spec.run_dir, spec.resume, warn)
+    return checkpoint.find_resume_dir(spec.run_dir, spec.resume or restart_count > 0, warn)
 
 
 def _gather(obj) -> list:
@@ -160,43 +176,64 @@ def _gather(obj) -> list:
     return out
 
 
-def _mean_loss(losses: list) -> float:
+def _mean_loss_and_stop(losses: list) -> tuple[float, bool]:
+    """The loss averaged over ranks, and whether any rank was asked to stop (launcher/worker/stop.py):
+    one all-reduce, so every rank stops after the same step."""
     import torch
     import torch.distributed as dist
 
-    loss = torch.stack(losses).mean()
-    dist.all_reduce(loss)
-    return float(loss) / dist.get_world_size()
+    values = torch.stack([torch.stack(losses).mean().float(), torch.tensor(float(stop.requested()))])
+    dist.all_reduce(values)
+    return float(values[0]) / dist.get_world_size(), bool(values[1] > 0)
 
 
 def train(spec, env: RankEnv, inputs: Inputs, dataset: PackedDataset, resume_dir,
-          progress: oom.Progress | None = None) -> None:
+          progress: oom.Progress | None = None) -> bool:
+    """Train to spec.max_steps; True when stopped early on a signal (after a checkpoint)."""
     import torch
 
     seed_everything(spec.seed)  # identical initial weights on every rank
     device = torch.device("cuda", env.local_rank) if env.device == "cuda" else torch.device("cpu")
+    own_layout = layout.layout_of(spec, env.world_size)
+    saved_layout = layout.read_layout(resume_dir) if resume_dir is not None else None
+    neutral = resume_dir is not None and not layout.same_layout(saved_layout, own_layout)
+    if neutral and not layout.is_neutral(saved_layout):
+        raise ConfigError(f"checkpoint {resume_dir} was written by {saved_layout['strategy']} on "
+                          f"{saved_layout['world_size']} ranks; convert it first (launcher/worker/layout.py to_neutral)")
     with MemoryMeter(env.device, spec.measure_memory) as meter:
         with meter.phase("setup"):
             model = build_model(spec, inputs.config, inputs.plan).to(device)
+            if neutral:
+                layout.load_neutral_weights(model, resume_dir)
             num_param_bytes = param_bytes(model)
             backend = make_backend(model, spec, env, inputs.plan, meter)
         meter.take_step()
         seed_everything(spec.seed + env.rank)  # per-rank dropout streams
         state = checkpoint.TrainerState(0, 0, env.world_size)
         if resume_dir is not None:
-            state = checkpoint.load(backend, resume_dir, env.rank)
+            if neutral:
+                backend.load_neutral(resume_dir)
+                checkpoint.restore_rng(resume_dir, env.rank)
+                state = checkpoint.TrainerState.read(resume_dir)
+            else:
+                state = checkpoint.load(backend, resume_dir, env.rank)
             if env.rank == 0:
-                print(f"resumed from {resume_dir} at step {state.step}", flush=True)
-        records = _loop(spec, env, backend, dataset, meter, state, device, progress or oom.Progress())
+                how = f" (layout {saved_layout.get('strategy')} -> {spec.strategy})" if neutral else ""
+                print(f"resumed from {resume_dir} at step {state.step}{how}", flush=True)
+        records, stopped = _loop(spec, env, backend, dataset, meter, state, device, progress or oom.Progress())
         overall = _gather(asdict(meter.overall) if meter.overall else None)
-    if env.rank == 0:
+    if env.rank == 0 and not stopped:
         summary = metrics.build_summary(records, overall, spec.estimate, env.world_size)
         summary["param_bytes"] = num_param_bytes
+        if resume_dir is not None:
+            summary["resumed_from"] = {"checkpoint": str(resume_dir), "step": state.step,
+                                       "layout": saved_layout, "optimizer_state": "restored"}
         metrics.write_summary(spec.run_dir, summary)
         print(metrics.summary_table(summary), flush=True)
+    return stopped
 
 
-def _loop(spec, env, backend, dataset, meter, state, device, progress: oom.Progress) -> list[dict]:
+def _loop(spec, env, backend, dataset, meter, state, device, progress: oom.Progress) -> tuple[list[dict], bool]:
     import torch
 
     step_samples = samples_per_step(env.world_size, spec.micro_batch_size, spec.grad_accum_steps)
@@ -217,18 +254,22 @@ def _loop(spec, env, backend, dataset, meter, state, device, progress: oom.Progr
         step_s = time.perf_counter() - start_s
         peak = meter.take_step()
         oom.check_simulated(peak, progress)
-        record = _record(step, position, step_samples, spec, lr, step_s, _mean_loss(losses),
-                         _gather((block_ids, _peak_dict(peak))))
+        loss, stopping = _mean_loss_and_stop(losses)
+        record = _record(step, position, step_samples, spec, lr, step_s, loss, _gather((block_ids, _peak_dict(peak))))
         position += step_samples
         records.append(record)
         if env.rank == 0:
             metrics.append_metrics(spec.run_dir, record)
             if step % spec.log_every == 0 or step == spec.max_steps:
                 print(metrics.live_line(record, spec.max_steps), flush=True)
-        if (spec.checkpoint_every > 0 and step % spec.checkpoint_every == 0) or step == spec.max_steps:
-            checkpoint.save(backend, spec.run_dir, checkpoint.TrainerState(step, position, env.world_size),
-                            env.rank, env.device, spec.checkpoint_keep)
-    return records
+        if (spec.checkpoint_every > 0 and step % spec.checkpoint_every == 0) or step == spec.max_steps or stopping:
+            saved = checkpoint.save(backend, spec.run_dir, checkpoint.TrainerState(step, position, env.world_size),
+                                    env.rank, env.device, spec.checkpoint_keep, layout.layout_of(spec, env.world_size))
+        if stopping and step < spec.max_steps:
+            if env.rank == 0:
+                stop.write_marker(spec.run_dir, step, saved)
+            return records, True
+    return records, False
 
 
 def _peak_dict(peak) -> dict | None:
