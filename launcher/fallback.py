@@ -7,9 +7,11 @@ RUN_DIR/oom.json (measured peak per rank and step, next to the estimate) and, wi
 relaunches with the next-ranked candidate of the plan that fits and whose estimated device total
 is below the failed one's, in RUN_DIR/attempt-2/, attempt-3/, ... (each with its own run.json,
 framework config, launch_command.sh, metrics and checkpoints; the first attempt's files are never
-touched). A new attempt starts from step 0: checkpoints of another layout (DDP vs ZeRO stage,
-micro-batch) are not interchangeable. At most `max_fallbacks` relaunches; RUN_DIR/fallback.json
-records every attempt.
+touched). A new attempt continues from the newest complete checkpoint of the attempts before it
+(launcher/fallback_resume.py): weights, optimizer, scheduler, data position and RNG states, moved
+to the next plan's layout when it differs (launcher/worker/layout.py), with the step numbers
+continuing; without a checkpoint it starts from step 0. At most `max_fallbacks` relaunches;
+RUN_DIR/fallback.json records every attempt, where it continued from and the steps lost.
 
 Resume. `resume=<run dir>` re-composes that run's own overrides (.hydra/overrides.yaml), so the
 plan, the chosen candidate and the data order are the same; only the keys in RESUMABLE may
@@ -79,21 +81,32 @@ def _oom_line(report: dict) -> str:
     return f"out of memory at step {report['step']}: {measured}{est_text}"
 
 
-def run_with_fallback(plan, config, spec, job, quiet: bool = False) -> tuple[int, Path]:
+def run_with_fallback(plan, config, spec, job, quiet: bool = False, execute=None,
+                      state: Optional[dict] = None) -> tuple[int, Path]:
     """Run the job; after an out-of-memory failure relaunch with a smaller candidate (see the
-    module docstring). Returns the last exit code and the directory of the last attempt."""
-    from launcher import launch
+    module docstring). `execute(job, candidate index) -> exit code` runs one attempt (default:
+    torchrun here; in a Slurm job, launcher/slurm_job.py). `state` ({"attempts": [...], "resumed":
+    ...}, updated in place): the attempts so far and where the running one continued from, so a
+    requeued Slurm job continues the record. fallback.json is rewritten after every attempt.
+    Returns the last exit code and the directory of the last attempt."""
+    from launcher import fallback_resume, launch
 
-    run_dir, index, tried, attempts = job.run_dir, plan.chosen, {plan.chosen}, []
+    execute = execute or (lambda j, _: launch.execute(j, quiet=quiet))
+    run_dir, index, tried = Path(config.run_dir or job.run_dir), plan.chosen, {plan.chosen}
+    state = state if state is not None else {}
+    attempts = state.setdefault("attempts", [])
+    resumed = state.get("resumed")
     while True:
         attempt_dir = job.run_dir
-        rc = launch.execute(job, quiet=quiet)
+        state["resumed"] = resumed
+        rc = execute(job, index)
         report = read_oom(attempt_dir) if rc != 0 else None
         attempts.append({"attempt": len(attempts) + 1, "dir": str(attempt_dir), "candidate": index,
-                         "description": _describe(plan, index), "exit_code": rc,
+                         "description": _describe(plan, index), "exit_code": rc, "resumed_from": resumed,
                          "result": "finished" if rc == 0 else "out_of_memory" if report else "failed", "oom": report})
         if report is None:
             break
+        _write_attempts(run_dir, attempts)
         print(f"attempt {len(attempts)} {_describe(plan, index)}: {_oom_line(report)}; details in "
               f"{attempt_dir / 'oom.json'}", file=sys.stderr)
         nxt = next_candidate(plan, index, tried)
@@ -105,15 +118,29 @@ def run_with_fallback(plan, config, spec, job, quiet: bool = False) -> tuple[int
         next_dir = run_dir / f"attempt-{len(attempts) + 1}"
         next_dir.mkdir()
         job = launch.prepare(dataclasses.replace(plan, chosen=nxt), config, spec, next_dir)
-        print(f"relaunching with {_describe(plan, nxt)} in {next_dir}", file=sys.stderr)
+        completed = (resumed or {}).get("step", 0) + report["completed_steps"]  # this attempt's last step
+        _, source = fallback_resume.resume_point([Path(a["dir"]) for a in reversed(attempts)])
+        resumed = fallback_resume.continue_from(next_dir / "run.json", source, config.gpus) if source else None
+        attempts[-1]["steps_lost"] = 0 if resumed else completed
+        print(f"relaunching with {_describe(plan, nxt)} in {next_dir}, "
+              f"{fallback_resume.describe(resumed, completed)}", file=sys.stderr)
+        _write_attempts(run_dir, attempts)
         index = nxt
         tried.add(nxt)
     if len(attempts) > 1 or attempts[0]["oom"]:
-        (run_dir / "fallback.json").write_text(json.dumps({"attempts": attempts}, indent=2) + "\n")
+        _write_attempts(run_dir, attempts)
         for a in attempts:
-            print(f"attempt {a['attempt']} {a['description']}: {a['result'].replace('_', ' ')} ({a['dir']})",
+            start = f", continued from step {a['resumed_from']['step']}" if a["resumed_from"] else ""
+            lost = f", steps lost: {a['steps_lost']}" if "steps_lost" in a else ""
+            print(f"attempt {a['attempt']} {a['description']}{start}: {a['result'].replace('_', ' ')}{lost} ({a['dir']})",
                   file=sys.stderr if quiet else sys.stdout)
     return rc, job.run_dir
+
+
+def _write_attempts(run_dir: Path, attempts: list) -> None:
+    tmp = run_dir / "fallback.json.tmp"
+    tmp.write_text(json.dumps({"attempts": attempts}, indent=2) + "\n")
+    tmp.replace(run_dir / "fallback.json")
 
 
 # ---- resume a previous run directory ------------------------------------------------------

@@ -1,5 +1,7 @@
-"""Faults on real 2-process CPU runs through the launcher: out-of-memory fallback, a rank killed
-with SIGKILL then `resume=<run dir>`, and an elastic restart (torchrun --max-restarts)."""
+"""Faults on real 2-process CPU runs through the launcher: out-of-memory fallback that continues
+from the last checkpoint with the next plan, a rank killed with SIGKILL then `resume=<run dir>`
+(the resumed loss curve equals an uninterrupted run's, step for step). Kill-and-resume per backend,
+through torchrun's elastic restart: tests/integration/test_resume_backends.py."""
 from __future__ import annotations
 
 import json
@@ -30,9 +32,9 @@ def _env() -> dict:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=cwd, env=_env(), capture_output=True,
-                          text=True, timeout=300)
+def run_cli(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=cwd, env={**_env(), **(env or {})},
+                          capture_output=True, text=True, timeout=300)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -163,25 +165,17 @@ def test_kill_one_rank_then_resume_run_dir(tmp_path: Path, cache: str) -> None:
     assert sorted(p.name for p in run.rglob("*")) == listing
 
 
-def test_elastic_restart_resumes_from_checkpoint(tmp_path: Path, cache: str) -> None:
-    run = tmp_path / "run"
-    proc = start(tmp_path, *KILL_RUN, "launch.max_restarts=1", cache, f"hydra.run.dir={run}")
-    kill_rank_after_checkpoint(proc, run, checkpoint_step=3)
-    stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr[-3000:]
-    assert "resumed from" in stdout  # the restarted workers continued from the checkpoint
-    starts = assert_same_trajectory(run, tmp_path)
-    assert len(starts) == 1 and (starts[0] - 1) % 3 == 0
-    assert json.loads((run / "summary.json").read_text())["last_step"] == KILL_STEPS
-
-
-def test_out_of_memory_falls_back_to_smaller_candidate(tmp_path: Path, cache: str) -> None:
+def test_out_of_memory_continues_from_checkpoint_with_next_plan(tmp_path: Path, cache: str) -> None:
     """The cap plays a device that is smaller than the estimate of the fastest candidate (micro-batch
-    4) but larger than the next one's (micro-batch 2), as the planner estimated them."""
+    4) but larger than the next one's (micro-batch 2), as the planner estimated them, from step
+    OOM_STEP on: the first plan runs out of memory there, and the next plan continues from the
+    checkpoint of the step before, with the same data position and RNG states."""
     from launcher import app, cli, planner
     from launcher.hardware import cluster_from
 
-    args = [*BASE, "planner.max_micro_batch_size=4", "training.max_steps=5", cache]
+    oom_step, steps = 3, 5
+    args = [*BASE, "planner.max_micro_batch_size=4", f"training.max_steps={steps}", "checkpoint.every_steps=1",
+            "training.learning_rate=3e-3", cache]
     config = cli.compose(args)
     plan = planner.plan(config, app.model_spec(config), cluster_from(config.hardware, config.gpus, config.nodes))
     first = plan.candidates[plan.chosen]
@@ -191,20 +185,33 @@ def test_out_of_memory_falls_back_to_smaller_candidate(tmp_path: Path, cache: st
     cap = (first.memory.device_total_bytes + second.memory.device_total_bytes) // 2
 
     run = tmp_path / "run"
-    result = run_cli(*args, f"worker.simulate_oom_above_bytes={cap}", f"hydra.run.dir={run}", cwd=tmp_path)
+    result = run_cli(*args, f"worker.simulate_oom_above_bytes={cap}", f"hydra.run.dir={run}", cwd=tmp_path,
+                     env={"LAUNCHER_SIMULATE_OOM_FROM_STEP": str(oom_step)})
     assert result.returncode == 0, result.stderr[-3000:]
     attempts = json.loads((run / "fallback.json").read_text())["attempts"]
     assert [a["result"] for a in attempts] == ["out_of_memory", "finished"]
+    assert attempts[0]["steps_lost"] == 0
+    assert attempts[1]["resumed_from"]["step"] == oom_step - 1
+    assert attempts[1]["resumed_from"]["checkpoint"] == str(run / "checkpoints" / f"step-{oom_step - 1}")
     oom = json.loads((run / "oom.json").read_text())
-    assert sorted(oom["ranks"]) == ["0", "1"]
+    assert sorted(oom["ranks"]) == ["0", "1"] and oom["step"] == oom_step
     assert all(r["peak_allocated_bytes"] > cap for r in oom["ranks"].values())
     assert oom["estimate"]["device_total_bytes"] == first.memory.device_total_bytes
-    # first attempt's files untouched: its run.json still has micro-batch 4 and its metrics stop at the failure
+    # first attempt's files untouched: its run.json still has micro-batch 4 and its metrics stop before the failure
     assert json.loads((run / "run.json").read_text())["micro_batch_size"] == 4
-    assert len(read_metrics(run)) == oom["completed_steps"] < 5
+    first_records = read_metrics(run)
+    assert [r["step"] for r in first_records] == list(range(1, oom_step))
     second_dir = run / "attempt-2"
     assert json.loads((second_dir / "run.json").read_text())["micro_batch_size"] == second.micro_batch_size
     records = read_metrics(second_dir)
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    # step oom_step follows with the next plan, reading on from where the first plan stopped
+    assert [r["step"] for r in records] == list(range(oom_step, steps + 1))
+    assert records[0]["data_positions"][0] == first_records[-1]["data_positions"][1] == (oom_step - 1) * 2 * 4
+    assert records[0]["data_positions"][1] - records[0]["data_positions"][0] == 2 * second.micro_batch_size
     assert all(max(r["peak_allocated_bytes"]) <= cap for r in records)
-    assert "out of memory" in result.stderr and "attempt 2" in result.stdout and "finished" in result.stdout
+    # the weights and optimizer state came along: the loss goes on from the first plan's, not from the start
+    assert records[0]["loss"] < first_records[0]["loss"] - 0.2, (first_records, records)
+    assert f"resumed from {run / 'checkpoints' / f'step-{oom_step - 1}'} at step {oom_step - 1}" in result.stdout
+    assert "steps lost: 0" in result.stderr and "attempt 2" in result.stdout and "finished" in result.stdout
+    summary = json.loads((second_dir / "summary.json").read_text())
+    assert summary["resumed_from"]["step"] == oom_step - 1 and summary["first_step"] == oom_step
