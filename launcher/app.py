@@ -211,7 +211,7 @@ def main(cfg: DictConfig) -> None:
     if config.launch.kind.name != "torchrun":  # launch=slurm / sbatch_script (launcher/slurm.py)
         from launcher import slurm
 
-        rc = slurm.dispatch(config, job, plan.candidates[plan.chosen], mode, quiet)
+        rc = slurm.dispatch(config, job, plan.candidates[plan.chosen], mode, quiet, plan, spec)
         if rc == 0 and mode == "run" and config.launch.kind.name == "slurm" and config.launch.wait and not quiet:
             report.print_summary(run_dir)
         if rc != 0:

@@ -387,6 +387,10 @@ class LaunchConfig:
     wait_timeout_min: Optional[float] = None
     """Longest the launcher waits for a submitted job, minutes (the job keeps running after).
     null = launch.time_min + 30 (a half-hour allowance for queueing)."""
+    signal_delay_s: int = 90
+    """launch=slurm: seconds before the time limit at which Slurm signals the job (sbatch
+    --signal=USR2@N, submitit's signal_delay_s); the ranks checkpoint and the job is requeued
+    (launcher/slurm_job.py). Preemption signals the same way."""
 
 
 @dataclass

@@ -9,6 +9,11 @@ PyTorch's own Slurm example (pytorch/examples, distributed/ddp-tutorial-series/s
 c10d, torchrun assigns node ranks at rendezvous (torch/distributed/run.py uses --node-rank only
 for the static backend), so every node runs the same command.
 
+The submitted function is `launcher.slurm_job.FallbackTask`: the out-of-memory fallback runs
+inside the allocation, and the job is requeued on preemption or time limit (`--requeue`,
+`--signal=USR2@launch.signal_delay_s`), continuing from the checkpoint the ranks write on that
+signal.
+
 launch=sbatch_script writes the same job as RUN_DIR/sbatch.sh for submission by hand.
 
 Waiting is bounded: the launcher polls submitit (which reads `sacct`) and `squeue`, stops waiting
@@ -56,6 +61,8 @@ def launch_problems(c: LauncherConfig) -> list[str]:
         out.append(f"launch.gpus_per_node={launch.gpus_per_node}: must be zero or more, or null (gpus / nodes)")
     if launch.wait_timeout_min is not None and not launch.wait_timeout_min > 0:
         out.append(f"launch.wait_timeout_min={launch.wait_timeout_min}: must be positive, or null")
+    if launch.signal_delay_s < 1:
+        out.append(f"launch.signal_delay_s={launch.signal_delay_s}: must be at least 1 (seconds before the time limit)")
     if launch.kind.name != "torchrun" and c.mode.name in ("measure", "calibrate"):
         out.append(f"mode={c.mode.name} runs on this machine: use launch=torchrun (or mode=run / mode=plan)")
     if launch.kind.name != "torchrun" and isinstance(c.resume, str):
@@ -180,17 +187,24 @@ def run_node(argv: list[str], env: dict) -> int:
     return rc
 
 
-def submit(config: LauncherConfig, job):
-    """Submit `job` (launcher.launch.Job) as a Slurm job; return the submitit Job."""
+def submit(config: LauncherConfig, job, plan=None, spec=None):
+    """Submit `job` (launcher.launch.Job) as a Slurm job; return the submitit Job. With the plan
+    and model spec, the job carries the out-of-memory fallback and requeues itself
+    (launcher/slurm_job.py); without, it runs the one torchrun command (`run_node`)."""
     import submitit
 
     executor = submitit.AutoExecutor(folder=job.run_dir / "slurm", cluster="slurm")
     launch = config.launch
     params = dict(name=job_name(config), nodes=config.nodes, tasks_per_node=1, timeout_min=launch.time_min,
                   gpus_per_node=gpus_per_node(config), slurm_partition=launch.partition,
-                  slurm_account=launch.account, cpus_per_task=launch.cpus_per_task, mem_gb=launch.mem_gb)
+                  slurm_account=launch.account, cpus_per_task=launch.cpus_per_task, mem_gb=launch.mem_gb,
+                  slurm_signal_delay_s=launch.signal_delay_s, slurm_additional_parameters={"requeue": True})
     executor.update_parameters(**{k: v for k, v in params.items() if v is not None})
-    return executor.submit(run_node, list(job.argv), task_env(config, job.env))
+    if plan is None:
+        return executor.submit(run_node, list(job.argv), task_env(config, job.env))
+    from launcher.slurm_job import FallbackTask
+
+    return executor.submit(FallbackTask(plan, config, spec, job, task_env(config, job.env)))
 
 
 def sacct_state(job_id: str) -> str:
@@ -232,12 +246,31 @@ def wait_for_end(sjob, timeout_s: float, poll_s: float = 2.0, settle_s: float = 
     return state if state not in BUSY_STATES else "UNKNOWN"
 
 
-def run(config: LauncherConfig, job, quiet: bool = False) -> int:
+def ask(prompt: str) -> str:
+    """One answer from the terminal, lower-case; '' when there is none (no input, or Ctrl-C again)."""
+    try:
+        return input(prompt).strip().lower()
+    except (EOFError, KeyboardInterrupt):
+        return ""
+
+
+def interrupted(sjob) -> int:
+    """Ctrl-C while waiting: ask whether to cancel the job; keep it running unless the answer is yes."""
+    answer = ask(f"\nstopped waiting for Slurm job {sjob.job_id}; cancel the job too? [y/N] ")
+    if answer in ("y", "yes"):
+        sjob.cancel(check=False)
+        print(f"cancelled Slurm job {sjob.job_id}", file=sys.stderr)
+    else:
+        print(f"Slurm job {sjob.job_id} keeps running (scancel {sjob.job_id} to stop it)", file=sys.stderr)
+    return 130
+
+
+def run(config: LauncherConfig, job, quiet: bool = False, plan=None, spec=None) -> int:
     """Check the inputs here, submit, wait (bounded) and report; 0 when the job COMPLETED."""
     from launcher import launch
 
     launch.check(job)
-    sjob = submit(config, job)
+    sjob = submit(config, job, plan, spec)
     log = job.run_dir / "slurm" / f"{sjob.job_id}_0_log.out"
     info = sys.stderr if quiet else sys.stdout
     (job.run_dir / "slurm_job_id").write_text(f"{sjob.job_id}\n")
@@ -249,9 +282,7 @@ def run(config: LauncherConfig, job, quiet: bool = False) -> int:
     try:
         state = wait_for_end(sjob, timeout_min * 60)
     except KeyboardInterrupt:
-        print(f"\nstopped waiting; Slurm job {sjob.job_id} keeps running (scancel {sjob.job_id} to stop it)",
-              file=sys.stderr)
-        return 130
+        return interrupted(sjob)
     if state == "WAIT_TIMEOUT":
         print(f"error: Slurm job {sjob.job_id} had not ended after {timeout_min:g} min "
               f"(launch.wait_timeout_min); it keeps running: sacct -j {sjob.job_id}", file=sys.stderr)
@@ -271,7 +302,7 @@ def describe(config: LauncherConfig, candidate) -> str:
             f"seq_len {config.training.seq_len}) on {config.nodes} node(s) x {config.gpus // config.nodes} {unit}.")
 
 
-def dispatch(config: LauncherConfig, job, candidate, mode: str, quiet: bool) -> int:
+def dispatch(config: LauncherConfig, job, candidate, mode: str, quiet: bool, plan=None, spec=None) -> int:
     """launch=sbatch_script: write the script; launch=slurm: submit it when mode is run."""
     info = sys.stderr if quiet else sys.stdout
     plan_text = describe(config, candidate)
@@ -283,4 +314,4 @@ def dispatch(config: LauncherConfig, job, candidate, mode: str, quiet: bool) -> 
     if mode != "run":
         print("planned only (mode=plan): add mode=run to submit the Slurm job", file=info)
         return 0
-    return run(config, job, quiet)
+    return run(config, job, quiet, plan, spec)
