@@ -72,14 +72,14 @@ def colossalai_layouts(template: Strategy, config: LauncherConfig, spec: ModelSp
     """cai_tp: every valid tp_size (or the given one) with colossalai.zero_stage on the DP
     dimension; cai_pp: every valid pp_size (or the given one) x (tp 1 or a valid tp_size), so
     DP x TP x PP combinations are all candidates. Explicit sizes that are invalid are a ConfigError."""
-    from launcher.trace import TP_SHARDABLE
+    from launcher.trace import tp_traceable
 
     cai = config.colossalai
     tps, pps = tp_sizes(config, spec), pp_sizes(config, spec)
-    if spec.model_type not in TP_SHARDABLE:  # the traced TP shard is a smaller config (trace.py)
+    if not tp_traceable(spec.model_type):  # no config shard and no sharding rule (trace.py, tp_shard.py)
         if cai.tp_size not in (None, 1) or config.strategy.name == "cai_tp":
-            raise ConfigError(f"strategy={template.name}: tensor parallelism is estimated for model types "
-                              f"{', '.join(TP_SHARDABLE)}, not {spec.model_type}; use colossalai.tp_size=1 with cai_pp")
+            raise ConfigError(f"strategy={template.name}: no tensor-parallel sharding rule for model type "
+                              f"{spec.model_type} yet; use colossalai.tp_size=1 with cai_pp, or another strategy")
         tps = []
     if cai.tp_size is not None and cai.tp_size != 1 and cai.tp_size not in tps:
         raise ConfigError(f"colossalai.tp_size={cai.tp_size} must divide gpus per node "
@@ -138,11 +138,10 @@ def workload(config: LauncherConfig, spec: ModelSpec, micro: int) -> Workload:
 
 def unsupported(strategy: Strategy, config: LauncherConfig, cluster: Cluster, spec: ModelSpec | None = None) -> str:
     """Why this strategy cannot be a candidate here, or ''."""
-    from launcher.trace import TP_SHARDABLE
+    from launcher.trace import tp_traceable
 
-    if strategy.tp_size > 1 and spec is not None and spec.model_type not in TP_SHARDABLE:
-        return (f"tensor-parallel memory is traced on a shard config, which exists for {', '.join(TP_SHARDABLE)}, "
-                f"not {spec.model_type}")
+    if strategy.tp_size > 1 and spec is not None and not tp_traceable(spec.model_type):
+        return f"no tensor-parallel sharding rule for model type {spec.model_type} yet (launcher/tp_shard.py)"
     from launcher.memory import deepspeed_support_problem
 
     if strategy.name == "single" and cluster.num_gpus > 1:

@@ -42,6 +42,7 @@ from typing import Optional
 import numpy as np
 
 from launcher.gptq import GPTQ_BITS, gptq_stand_in
+from launcher.tp_shard import shard_model, shardable
 from launcher.steptrace import Kind, OpClass, ParamTable, Role, StepTrace, TraceSet
 
 OPTIMIZERS = ("adamw_foreach", "adamw_single", "adamw_fused", "sgd", "adafactor", "none")
@@ -236,10 +237,16 @@ def build_config(key: TraceKey):
     if isinstance(getattr(cfg, "layer_types", None), list):  # per-layer lists follow the depth
         cfg.layer_types = cfg.layer_types[: key.num_layers]
     cfg.use_cache = False
-    return tp_shard_config(cfg, key.tp_size) if key.tp_size > 1 else cfg
+    return tp_shard_config(cfg, key.tp_size) if key.tp_size > 1 and cfg.model_type in TP_SHARDABLE else cfg
 
 
 TP_SHARDABLE = ("llama", "mistral", "qwen2")  # configs whose TP shard is a smaller config of the same kind
+
+
+def tp_traceable(model_type: str) -> bool:
+    """Whether a tensor-parallel shard of this family can be traced: as a smaller config
+    (`tp_shard_config`) or by its sharding rule (launcher/tp_shard.py)."""
+    return model_type in TP_SHARDABLE or shardable(model_type)
 
 
 def tp_padded_vocab(vocab_size: int, tp_size: int) -> int:
@@ -313,6 +320,8 @@ def _run_step(key: TraceKey, rec: _Recorder, marks: dict, grads: dict):
     model = AutoModelForCausalLM.from_config(
         build_config(key), dtype=dtype, attn_implementation=_traced_attn(key))
     model.train()
+    if key.tp_size > 1 and model.config.model_type not in TP_SHARDABLE:  # its family's rule (tp_shard.py)
+        shard_model(model, key.tp_size, tp_padded_vocab(model.config.vocab_size, key.tp_size))
     if key.gradient_checkpointing:
         enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x
         (enable or model.gradient_checkpointing_enable)()

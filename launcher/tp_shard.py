@@ -1,0 +1,154 @@
+"""One tensor-parallel rank's shard of a transformers model, made by applying a family's 1D
+tensor-parallel rule to the built (fake-tensor) model, as ColossalAI's shardformer policy for that
+family replaces its modules (colossalai/shardformer/policies/<family>.py, 0.5.0):
+
+- column-parallel Linears (`Linear1D_Col`, and `GPT2FusedLinearConv1D_Col` for GPT-2's fused
+  Conv1D): output features / tp;
+- row-parallel Linears (`Linear1D_Row`): input features / tp, the bias kept whole (added after the
+  all-reduce);
+- the attention modules' head count and width attributes divided by tp (the policies'
+  `attribute_replacement`), so the model's own forward reshapes to the rank's heads;
+- the token embedding and the LM head vocabulary-parallel (`VocabParallelEmbedding1D`,
+  `VocabParallelLMHead1D`): the padded vocabulary / tp rows (trace.py `tp_padded_vocab`);
+- norms, position embeddings and everything else replicated.
+
+Families whose config can say all of this (Llama, Mistral, Qwen2) are traced as a smaller config
+of the same kind instead (trace.py `tp_shard_config`); this module serves the families whose
+shard no config expresses: fused QKV projections, a head size tied to the hidden size, an MLP
+width fixed by the code (BLOOM, OPT, GPT-2). The all-reduce and gather buffers that a shard
+model does not allocate are added by launcher/memory/colossalai.py, as for the config shards.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ShardRule:
+    """A family's 1D tensor-parallel rule, relative to each decoder block."""
+
+    blocks: str  # dotted path of the decoder-block list in the causal-LM model
+    column: tuple  # block-relative paths of column-parallel Linears / Conv1Ds
+    row: tuple  # block-relative paths of row-parallel Linears / Conv1Ds
+    divided: tuple  # block-relative attributes divided by tp (head counts, widths)
+    model_divided: tuple = ()  # model-relative attributes divided by tp (e.g. BLOOM's alibi heads)
+    embedding: str = ""  # model-relative path of the token embedding (vocabulary-parallel)
+    lm_head: str = "lm_head"
+    heads: str = "num_attention_heads"  # config field the head count is read from
+    notes: tuple = field(default_factory=tuple)
+
+
+RULES = {
+    # colossalai/shardformer/policies/llama.py LlamaPolicy.module_policy (transformers 5 reshapes by
+    # head_dim, so no attribute changes); Llama is traced as a config shard (trace.py), and this rule
+    # is the cross-check that both ways give the same shard (tests/unit/test_tp_shard.py)
+    "llama": ShardRule(
+        blocks="model.layers",
+        column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
+        row=("self_attn.o_proj", "mlp.down_proj"),
+        divided=(),
+        embedding="model.embed_tokens"),
+    # colossalai/shardformer/policies/bloom.py BloomPolicy.module_policy / BloomForCausalLMPolicy
+    "bloom": ShardRule(
+        blocks="transformer.h",
+        column=("self_attention.query_key_value", "mlp.dense_h_to_4h"),
+        row=("self_attention.dense", "mlp.dense_4h_to_h"),
+        divided=("self_attention.hidden_size", "self_attention.split_size", "self_attention.num_heads"),
+        model_divided=("transformer.num_heads",),
+        embedding="transformer.word_embeddings", heads="n_head"),
+    # colossalai/shardformer/policies/opt.py OPTPolicy.module_policy / OPTForCausalLMPolicy
+    "opt": ShardRule(
+        blocks="model.decoder.layers",
+        column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "fc1"),
+        row=("self_attn.out_proj", "fc2"),
+        divided=("self_attn.embed_dim", "self_attn.num_heads"),
+        embedding="model.decoder.embed_tokens"),
+    # colossalai/shardformer/policies/gpt2.py GPT2Policy.module_policy / GPT2LMHeadModelPolicy
+    "gpt2": ShardRule(
+        blocks="transformer.h",
+        column=("attn.c_attn", "mlp.c_fc"),
+        row=("attn.c_proj", "mlp.c_proj"),
+        divided=("attn.embed_dim", "attn.split_size", "attn.num_heads"),
+        embedding="transformer.wte"),
+}
+
+
+def shardable(model_type: str) -> bool:
+    return model_type in RULES
+
+
+def _get(obj, path: str):
+    for part in path.split(".") if path else ():
+        obj = getattr(obj, part)
+    return obj
+
+
+def _set(obj, path: str, value) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(_get(obj, parent), name, value)
+
+
+def _sharded(module, tp: int, column: bool):
+    """A plain module of the rank's shard shape, in the original's dtype (nn.Linear weights are
+    [out, in]; transformers' Conv1D weights are [in, out])."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    w = module.weight
+    kw = {"dtype": w.dtype, "device": w.device}
+    bias = module.bias is not None
+    if isinstance(module, Conv1D):  # built in the default dtype, its parameters replaced in place of .to()
+        n_in, n_out = w.shape
+        n_in, n_out = (n_in, n_out // tp) if column else (n_in // tp, n_out)
+        conv = Conv1D(n_out, n_in)
+        conv.weight = torch.nn.Parameter(torch.empty(n_in, n_out, **kw))
+        conv.bias = torch.nn.Parameter(torch.empty(n_out, **kw))
+        return conv
+    n_out, n_in = w.shape
+    if column:
+        return torch.nn.Linear(n_in, n_out // tp, bias=bias, **kw)
+    return torch.nn.Linear(n_in // tp, n_out, bias=bias, **kw)
+
+
+def shard_problem(config, tp: int) -> str:
+    """Why `tp` is not a valid degree for this config under its rule, or ''."""
+    rule = RULES.get(config.model_type)
+    if rule is None:
+        return f"no tensor-parallel sharding rule for model_type {config.model_type!r}"
+    heads = getattr(config, rule.heads)
+    if heads % tp:
+        return f"tp_size={tp} does not divide the {heads} attention heads"
+    return ""
+
+
+def shard_model(model, tp: int, padded_vocab: int) -> None:
+    """Replace, in place, the modules of `model` (a transformers causal LM) by those one rank of
+    `tp` holds under its family's rule (module docstring); `padded_vocab`: the vocabulary the
+    vocab-parallel layers pad to."""
+    import torch
+
+    config = model.config
+    problem = shard_problem(config, tp)
+    if problem:
+        raise ValueError(problem)
+    rule = RULES[config.model_type]
+    for block in _get(model, rule.blocks):
+        for path in rule.column:
+            _set(block, path, _sharded(_get(block, path), tp, True))
+        for path in rule.row:
+            _set(block, path, _sharded(_get(block, path), tp, False))
+        for path in rule.divided:
+            _set(block, path, _get(block, path) // tp)
+    for path in rule.model_divided:
+        _set(model, path, _get(model, path) // tp)
+    emb = _get(model, rule.embedding)
+    shard = torch.nn.Embedding(padded_vocab // tp, emb.weight.shape[1], dtype=emb.weight.dtype,
+                               device=emb.weight.device)
+    _set(model, rule.embedding, shard)
+    head = _get(model, rule.lm_head)
+    new_head = torch.nn.Linear(head.weight.shape[1], padded_vocab // tp, bias=head.bias is not None,
+                               dtype=head.weight.dtype, device=head.weight.device)
+    if getattr(config, "tie_word_embeddings", False):
+        new_head.weight = shard.weight
+    _set(model, rule.lm_head, new_head)
+    config.vocab_size = padded_vocab // tp
