@@ -54,13 +54,21 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def tp_sizes(config: LauncherConfig, spec: ModelSpec) -> list[int]:
-    """Tensor-parallel sizes > 1 that divide the GPUs of a node (TP all-reduces run every layer,
-    on the intra-node link) and the attention and KV heads (the shardformer policies assert
-    both: colossalai/shardformer/policies/llama.py `module_policy`)."""
+def tp_degrees(config: LauncherConfig, spec: ModelSpec) -> dict[int, str]:
+    """Every tensor-parallel size > 1 that divides the GPUs of a node (TP all-reduces run every
+    layer, on the intra-node link) -> why it is invalid for this model, or '' (whole attention and
+    KV heads per rank: the shardformer policies assert both, launcher/tp_shard.py
+    `degree_problem`)."""
+    from launcher.tp_shard import degree_problem
+
     per_node = config.gpus // max(1, config.nodes)
-    return [t for t in divisors(per_node) if t > 1 and spec.num_attention_heads % t == 0
-            and spec.num_key_value_heads % t == 0]
+    return {t: degree_problem(spec.model_type, spec.num_attention_heads, spec.num_key_value_heads, t)
+            for t in divisors(per_node) if t > 1}
+
+
+def tp_sizes(config: LauncherConfig, spec: ModelSpec) -> list[int]:
+    """The valid tensor-parallel sizes (`tp_degrees`)."""
+    return [t for t, problem in tp_degrees(config, spec).items() if not problem]
 
 
 def pp_sizes(config: LauncherConfig, spec: ModelSpec) -> list[int]:
@@ -340,6 +348,13 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster) -> Plan:
     numbers: dict = {}
     variants = training_variants(config, cluster.device)
     pairs = [(s, v) for v in variants for s in strategies_for(config, spec)]
+    if config.strategy.name in ("auto", "cai_tp"):  # an invalid degree is a line, not a missing row
+        from launcher.trace import tp_traceable
+
+        notes += [f"cai_tp tp={t} not planned: {why}" for t, why in tp_degrees(config, spec).items() if why]
+        if not tp_traceable(spec.model_type) and tp_sizes(config, spec):
+            notes.append(f"cai_tp not planned: no tensor-parallel sharding rule for model type {spec.model_type} "
+                         "yet (launcher/tp_shard.py)")
     for strategy, variant in pairs:
         why = (unsupported(strategy, config, cluster, spec) or variant_problem(variant, strategy, cluster.device))
         if why:

@@ -35,7 +35,8 @@ class ShardRule:
     embedding: str = ""  # model-relative path of the token embedding (vocabulary-parallel)
     lm_head: str = "lm_head"
     heads: str = "num_attention_heads"  # config field the head count is read from
-    notes: tuple = field(default_factory=tuple)
+    kv_heads: str = ""  # config field of the key/value head count (grouped-query attention), if any
+    heads_per_group: int = 1  # heads per rank must also divide by this (CodeGen's mp_num groups)
 
 
 RULES = {
@@ -47,7 +48,7 @@ RULES = {
         column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
         row=("self_attn.o_proj", "mlp.down_proj"),
         divided=(),
-        embedding="model.embed_tokens"),
+        embedding="model.embed_tokens", kv_heads="num_key_value_heads"),
     # colossalai/shardformer/policies/bloom.py BloomPolicy.module_policy / BloomForCausalLMPolicy
     "bloom": ShardRule(
         blocks="transformer.h",
@@ -70,6 +71,47 @@ RULES = {
         row=("attn.c_proj", "mlp.c_proj"),
         divided=("attn.embed_dim", "attn.split_size", "attn.num_heads"),
         embedding="transformer.wte"),
+    # colossalai/shardformer/policies/gptj.py GPTJPolicy.module_policy
+    "gptj": ShardRule(
+        blocks="transformer.h",
+        column=("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.fc_in"),
+        row=("attn.out_proj", "mlp.fc_out"),
+        divided=("attn.embed_dim", "attn.num_attention_heads"),
+        embedding="transformer.wte"),
+    # The families below have no shardformer policy in ColossalAI 0.5.0; their rule is the same
+    # Megatron-LM split (arXiv:1909.08053 sec. 3) the policies apply to their closest relatives:
+    # GPT-Neo as GPT-J (separate q/k/v), CodeGen as GPT-J with its fused qkv_proj split by column
+    # (its 4 mp_num groups need heads per rank divisible by 4), BioGPT as OPT, Phi and Gemma as Llama.
+    "gpt_neo": ShardRule(
+        blocks="transformer.h",
+        column=("attn.attention.q_proj", "attn.attention.k_proj", "attn.attention.v_proj", "mlp.c_fc"),
+        row=("attn.attention.out_proj", "mlp.c_proj"),
+        divided=("attn.attention.embed_dim", "attn.attention.num_heads"),
+        embedding="transformer.wte"),
+    "codegen": ShardRule(
+        blocks="transformer.h",
+        column=("attn.qkv_proj", "mlp.fc_in"),
+        row=("attn.out_proj", "mlp.fc_out"),
+        divided=("attn.embed_dim", "attn.num_attention_heads"),
+        embedding="transformer.wte", heads_per_group=4),
+    "biogpt": ShardRule(
+        blocks="biogpt.layers",
+        column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "fc1"),
+        row=("self_attn.out_proj", "fc2"),
+        divided=("self_attn.embed_dim", "self_attn.num_heads"),
+        embedding="biogpt.embed_tokens", lm_head="output_projection"),
+    "phi": ShardRule(
+        blocks="model.layers",
+        column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.fc1"),
+        row=("self_attn.dense", "mlp.fc2"),
+        divided=(),
+        embedding="model.embed_tokens", kv_heads="num_key_value_heads"),
+    "gemma": ShardRule(
+        blocks="model.layers",
+        column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
+        row=("self_attn.o_proj", "mlp.down_proj"),
+        divided=(),
+        embedding="model.embed_tokens", kv_heads="num_key_value_heads"),
 }
 
 
@@ -110,15 +152,28 @@ def _sharded(module, tp: int, column: bool):
     return torch.nn.Linear(n_in // tp, n_out, bias=bias, **kw)
 
 
+def degree_problem(model_type: str, num_heads: int, num_kv_heads: int, tp: int) -> str:
+    """Why `tp` is not a valid tensor-parallel degree for these head counts, or '': every rank must
+    hold whole attention heads and whole key/value heads (the policies assert it) and, for CodeGen,
+    whole groups of heads."""
+    rule = RULES.get(model_type)
+    per_group = rule.heads_per_group if rule else 1
+    if num_heads % (tp * per_group):
+        return (f"tp_size={tp} does not divide the {num_heads} attention heads"
+                + (f" into groups of {per_group} per rank" if per_group > 1 else ""))
+    if num_kv_heads % tp:
+        return f"tp_size={tp} does not divide the {num_kv_heads} key/value heads"
+    return ""
+
+
 def shard_problem(config, tp: int) -> str:
     """Why `tp` is not a valid degree for this config under its rule, or ''."""
     rule = RULES.get(config.model_type)
     if rule is None:
         return f"no tensor-parallel sharding rule for model_type {config.model_type!r}"
     heads = getattr(config, rule.heads)
-    if heads % tp:
-        return f"tp_size={tp} does not divide the {heads} attention heads"
-    return ""
+    kv = (getattr(config, rule.kv_heads, None) if rule.kv_heads else None) or heads
+    return degree_problem(config.model_type, heads, kv, tp)
 
 
 def shard_model(model, tp: int, padded_vocab: int) -> None:

@@ -59,4 +59,45 @@ def test_invalid_degree_is_one_reason():
     cfg = transformers.BloomConfig(hidden_size=96, n_head=6, n_layer=2, vocab_size=VOCAB)
     assert shard_problem(cfg, 4) == "tp_size=4 does not divide the 6 attention heads"
     assert shard_problem(cfg, 3) == ""
-    assert "no tensor-parallel sharding rule" in shard_problem(transformers.GPTNeoConfig(), 2)
+    assert "no tensor-parallel sharding rule" in shard_problem(transformers.FalconConfig(), 2)
+    gemma = transformers.GemmaConfig(num_attention_heads=8, num_key_value_heads=1)
+    assert shard_problem(gemma, 2) == "tp_size=2 does not divide the 1 key/value heads"
+
+
+TINY = {
+    "gptj": lambda: transformers.GPTJConfig(n_embd=64, n_head=4, n_layer=2, vocab_size=VOCAB, n_positions=256,
+                                            rotary_dim=8),
+    "gpt_neo": lambda: transformers.GPTNeoConfig(hidden_size=64, num_heads=4, num_layers=2, vocab_size=VOCAB,
+                                                 max_position_embeddings=256,
+                                                 attention_types=[[["global", "local"], 1]], window_size=32),
+    "codegen": lambda: transformers.CodeGenConfig(n_embd=128, n_head=8, n_layer=2, vocab_size=VOCAB,
+                                                  n_positions=256, rotary_dim=8),
+    "biogpt": lambda: transformers.BioGptConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                                                intermediate_size=256, vocab_size=VOCAB, max_position_embeddings=256),
+    "phi": lambda: transformers.PhiConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                                          intermediate_size=256, vocab_size=VOCAB),
+    "gemma": lambda: transformers.GemmaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                              head_dim=16, num_hidden_layers=2, intermediate_size=256,
+                                              vocab_size=VOCAB),
+}
+
+
+@pytest.mark.parametrize("family", sorted(TINY) + sorted(CONFIGS))
+def test_every_rule_halves_its_split_weights_and_keeps_the_rest(family):
+    """Traced at tp=2, each weight the rule splits (by name) holds half its elements, the token
+    embedding and LM head half the vocabulary, and every other parameter is whole."""
+    from launcher.tp_shard import RULES
+
+    cfg = TINY[family]() if family in TINY else CONFIGS[family][0]
+    rule = RULES[cfg.model_type]
+    full = tr.trace_step(key(cfg, 1, attn_implementation="eager")).params
+    shard = tr.trace_step(key(cfg, 2, attn_implementation="eager")).params
+    split = tuple(f"{p}.weight" for p in rule.column + rule.row) + (f"{rule.embedding}.weight", f"{rule.lm_head}.weight")
+    column_biases = tuple(f"{p}.bias" for p in rule.column) + (f"{rule.lm_head}.bias",)
+    sizes = lambda p: dict(zip(p.names, p.numel.tolist()))  # noqa: E731
+    f, s = sizes(full), sizes(shard)
+    assert f.keys() == s.keys()
+    for name, n in f.items():
+        halved = name.endswith(split) or name.endswith(column_biases)
+        assert s[name] == (n // 2 if halved else n), name
+    assert any(name.endswith(split) for name in f)
