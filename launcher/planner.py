@@ -90,9 +90,9 @@ def colossalai_layouts(template: Strategy, config: LauncherConfig, spec: ModelSp
                               f"{spec.model_type} yet; use colossalai.tp_size=1 with cai_pp, or another strategy")
         tps = []
     if cai.tp_size is not None and cai.tp_size != 1 and cai.tp_size not in tps:
-        raise ConfigError(f"colossalai.tp_size={cai.tp_size} must divide gpus per node "
-                          f"({config.gpus // max(1, config.nodes)}), num_attention_heads ({spec.num_attention_heads}) "
-                          f"and num_key_value_heads ({spec.num_key_value_heads}); valid: {tps or 'none'}")
+        per_node = config.gpus // max(1, config.nodes)
+        why = tp_degrees(config, spec).get(cai.tp_size) or f"it does not divide the {per_node} GPUs of a node"
+        raise ConfigError(f"colossalai.tp_size={cai.tp_size}: {why}; valid: {tps or 'none'}")
     if cai.pp_size is not None and cai.pp_size != 1 and cai.pp_size not in pps:
         raise ConfigError(f"colossalai.pp_size={cai.pp_size} must divide gpus ({config.gpus}) and the "
                           f"{spec.num_layers} layers; valid: {pps or 'none'}")
