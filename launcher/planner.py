@@ -39,9 +39,11 @@ STRATEGIES: dict[str, Strategy] = {
 
 def strategies_for(config: LauncherConfig, spec: ModelSpec | None = None) -> list[Strategy]:
     """The strategies to plan; with a model spec, cai_tp / cai_pp expand into their valid
-    DP x TP x PP layouts (`colossalai_layouts`)."""
+    DP x TP x PP layouts (`colossalai_layouts`). `auto` on several GPUs leaves out `single`, a
+    one-process strategy (asked for by name there, `unsupported` says why)."""
     name = config.strategy.name
-    chosen = list(STRATEGIES.values()) if name == "auto" else [STRATEGIES[name]]
+    chosen = ([s for s in STRATEGIES.values() if s.name != "single" or config.gpus == 1] if name == "auto"
+              else [STRATEGIES[name]])
     if spec is None:
         return chosen
     out: list[Strategy] = []

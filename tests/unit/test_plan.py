@@ -17,6 +17,14 @@ def make_plan(tmp_path, *overrides):
     return planner.plan(config, spec, cluster), cluster
 
 
+def test_single_is_a_candidate_on_one_gpu_only(tmp_path):
+    one, _ = make_plan(tmp_path, "gpus=1", "training.micro_batch_size=1")
+    two, _ = make_plan(tmp_path, "gpus=2", "training.micro_batch_size=1")
+    assert "single" in {c.strategy.name for c in one.candidates}
+    assert "single" not in {c.strategy.name for c in two.candidates}
+    assert not [n for n in two.notes if n.startswith("single")]  # not a missing candidate worth a note
+
+
 def test_json_contract(tmp_path):
     plan, cluster = make_plan(tmp_path, "gpus=2", "training.seq_len=128")
     d = json.loads(json.dumps(report.plan_to_dict(plan, cluster.memory_bytes)))
