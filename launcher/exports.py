@@ -24,8 +24,8 @@ import yaml
 
 from launcher.config import LauncherConfig
 from launcher.emit.accelerate import accelerate_config, command_lines
-from launcher.emit.deepspeed import deepspeed_config, unsupported_reason
-from launcher.emit.standalone import hf_trainer_config, standalone_config, unsupported_optimizer
+from launcher.backends.deepspeed.emit import deepspeed_config, unsupported_reason
+from launcher.backends.deepspeed.standalone import hf_trainer_config, standalone_config, unsupported_optimizer
 from launcher.report import strategy_label, trains_label
 from launcher.types import Candidate, Plan
 

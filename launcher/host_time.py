@@ -62,7 +62,7 @@ profile, measured by mode=calibrate, launcher/calibrate.py):
    buckets filled up to `reduce_bucket_size` elements gradient by gradient (`reduce_buckets`);
    ZeRO-1/2 one all-gather per `allgather_bucket_size` elements of the partition after the step; ZeRO-3 one all-gather per module with a parameter above
    `stage3_param_persistence_threshold` in forward (kept gathered for backward, as
-   launcher/memory/zero3.py `gathered_param_bytes` finds by default); ZeRO 1-3 steps add two
+   launcher/backends/deepspeed/zero3.py `gathered_param_bytes` finds by default); ZeRO 1-3 steps add two
    small all-reduces (ZERO_STEP_COLLECTIVES); the worker's loss all-reduce and per-step
    all_gather_object (launcher/worker/train.py) are two more.
 6. ZeRO-3 module hooks: DeepSpeed wraps every module with parameters in pre/post forward and
@@ -76,7 +76,7 @@ import math
 from dataclasses import dataclass
 
 from launcher.memory.common import full_depth_numels
-from launcher.memory.deepspeed import fill_buckets, no_retain_buckets
+from launcher.backends.deepspeed.layout import fill_buckets, no_retain_buckets
 from launcher.steptrace import OpClass
 from launcher.types import Cluster, Strategy, Workload
 
@@ -148,7 +148,7 @@ def step_counts(traces, persistence_threshold: int) -> StepCounts:
 def reduce_buckets(counts: StepCounts, trainable: int, bucket_numel: int) -> list[float]:
     """Elements of each reduction call of one gradient reduction in `bucket_numel`-element buckets,
     filled in backward order as DeepSpeed ZeRO-1/2/3 and ColossalAI LowLevelZero fill them
-    (launcher/memory/deepspeed.py `fill_buckets`). Without the gradient sizes: full buckets and the
+    (launcher/backends/deepspeed/layout.py `fill_buckets`). Without the gradient sizes: full buckets and the
     remainder. A rank holding a shard of the model (tensor parallel: `trainable` is its share)
     holds that share of each gradient."""
     total = sum(counts.grad_numels)
@@ -162,7 +162,7 @@ def reduce_buckets(counts: StepCounts, trainable: int, bucket_numel: int) -> lis
 def zero0_buckets(counts: StepCounts, trainable: int) -> list[float]:
     """Elements of each all-reduce of DeepSpeed ZeRO-0: engine.py `allreduce_gradients` passes
     `MEMORY_OPT_ALLREDUCE_SIZE` (500M elements), not `reduce_bucket_size`, to
-    `buffered_allreduce_fallback` -> `allreduce_no_retain` (launcher/memory/deepspeed.py
+    `buffered_allreduce_fallback` -> `allreduce_no_retain` (launcher/backends/deepspeed/layout.py
     `no_retain_buckets`, the flat buffer `zero0_layout` lays out): one call below 500M trainable
     elements."""
     return no_retain_buckets(counts.grad_numels or (trainable,))

@@ -26,7 +26,7 @@ STRATEGIES: dict[str, Strategy] = {
     "zero2_offload": Strategy("zero2_offload", "deepspeed", zero_stage=2, offload_optimizer=True),
     "zero3_offload": Strategy("zero3_offload", "deepspeed", zero_stage=3, offload_optimizer=True,
                               offload_params=True),
-    # ColossalAI plugins (launcher/emit/colossalai.py); cai_tp / cai_pp sizes come from
+    # ColossalAI plugins (launcher/backends/colossalai/emit.py); cai_tp / cai_pp sizes come from
     # `colossalai_layouts` (these entries are their templates)
     "cai_ddp": Strategy("cai_ddp", "colossalai"),
     "cai_zero1": Strategy("cai_zero1", "colossalai", zero_stage=1),
@@ -166,7 +166,7 @@ def unsupported(strategy: Strategy, config: LauncherConfig, cluster: Cluster, sp
     return ""
 
 
-COLOSSALAI_CPU_COMPAT_ENV = "LAUNCHER_COLOSSALAI_TEST_PRELOAD"  # launcher/worker/colossalai_backend.py
+COLOSSALAI_CPU_COMPAT_ENV = "LAUNCHER_COLOSSALAI_TEST_PRELOAD"  # launcher/backends/colossalai/worker.py
 
 
 def launch_problem(strategy: Strategy, spec: ModelSpec, peft: dict | None = None) -> str:
@@ -175,9 +175,9 @@ def launch_problem(strategy: Strategy, spec: ModelSpec, peft: dict | None = None
     (launcher/peft.py `expert_parameters`), the worker's bitsandbytes conversion covers nn.Linear only. It stays in
     the plan as an estimate but is never chosen. ColossalAI 0.5.0's shardformer forwards target
     transformers 4.51; on transformers 5 the worker supplies tensor-parallel forwards for Llama
-    only (launcher/worker/colossalai_transformers.py). A vocabulary that tp does not divide is
+    only (launcher/backends/colossalai/transformers_tp.py). A vocabulary that tp does not divide is
     padded, and ColossalAI 0.5.0 cannot checkpoint a padded layer's optimizer state
-    (launcher/emit/colossalai.py `vocab_multiple`)."""
+    (launcher/backends/colossalai/emit.py `vocab_multiple`)."""
     if str((peft or {}).get("quant_type")).startswith("gptq"):
         return ("a GPTQ base is a pre-quantized checkpoint; the worker builds models from config.json and "
                 "quantizes with bitsandbytes only: estimate only")
@@ -207,7 +207,7 @@ def colossalai_support_problem(strategy: Strategy, config: LauncherConfig, clust
     """Why a ColossalAI strategy cannot run here, or ''."""
     import importlib.util
 
-    from launcher.emit.colossalai import plugin_precision
+    from launcher.backends.colossalai.emit import plugin_precision
 
     if importlib.util.find_spec("colossalai") is None:
         return "ColossalAI is not installed (optional: scripts/setup installs it unless LAUNCHER_SKIP_COLOSSALAI=1)"
@@ -277,7 +277,7 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
     numbers = model_numbers(traces)
     accum = grad_accum(config, micro, dp)
     if strategy.pp_size > 1:  # the step's micro-batches are the 1F1B micro-batches
-        from launcher.emit.colossalai import num_microbatches
+        from launcher.backends.colossalai.emit import num_microbatches
 
         m = num_microbatches(config.colossalai, strategy.pp_size)
         if config.training.global_batch_size is None:

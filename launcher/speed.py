@@ -68,7 +68,7 @@ memory-bound: per fp32 parameter it reads p, g, m, v and writes p, m, v (28 B), 
 implementation about doubles that with temporaries; at ~30 GB/s of achieved host memory bandwidth
 that is ~0.5e9 parameters/s. DeepSpeedCPUAdam (SIMD) is several times faster (ZeRO-Offload,
 arXiv:2101.06840, CPU-Adam evaluation), but the worker uses torch.optim.AdamW (see
-launcher/emit/deepspeed.py)."""
+launcher/backends/deepspeed/emit.py)."""
 
 
 def compute_dtype(precision: str) -> str:
@@ -375,7 +375,7 @@ def colossalai_comm(strategy: Strategy, workload: Workload, cluster: Cluster, co
     tp_s = tp_comm_s(strategy, workload, cluster, spec, accum, elem)
     comm, exposed = comm + tp_s, exposed + tp_s
     if pp > 1:
-        from launcher.emit.colossalai import num_microbatches
+        from launcher.backends.colossalai.emit import num_microbatches
 
         m = num_microbatches(cai, pp)
         bubble = (pp - 1) / (m + pp - 1)

@@ -16,7 +16,7 @@ Families whose config can say all of this (Llama, Mistral, Qwen2) are traced as 
 of the same kind instead (trace.py `tp_shard_config`); this module serves the families whose
 shard no config expresses: fused QKV projections, a head size tied to the hidden size, an MLP
 width fixed by the code (BLOOM, OPT, GPT-2). The all-reduce and gather buffers that a shard
-model does not allocate are added by launcher/memory/colossalai.py, as for the config shards.
+model does not allocate are added by launcher/backends/colossalai/layout.py, as for the config shards.
 """
 from __future__ import annotations
 

@@ -254,8 +254,8 @@ def tp_padded_vocab(vocab_size: int, tp_size: int) -> int:
     `make_vocab_size_divisible_by x tp_size` (colossalai/shardformer/layer/parallel_module.py
     `PaddingParallelModule`; embedding.py `VocabParallelEmbedding1D` and linear.py
     `VocabParallelLMHead1D`: `multiple = make_vocab_size_divisible_by * tp_size`), with the
-    multiple the emitter writes (launcher/emit/colossalai.py `vocab_multiple`)."""
-    from launcher.emit.colossalai import vocab_multiple
+    multiple the emitter writes (launcher/backends/colossalai/emit.py `vocab_multiple`)."""
+    from launcher.backends.colossalai.emit import vocab_multiple
 
     unit = vocab_multiple(vocab_size, tp_size) * tp_size
     return -(-vocab_size // unit) * unit
@@ -270,7 +270,7 @@ def tp_shard_config(cfg, tp_size: int):
     same architecture with num_attention_heads, num_key_value_heads, intermediate_size and
     vocab_size divided by tp and head_dim kept; norms stay whole (replicated). Tracing it gives
     the rank's parameters and the activations of its sharded layers; the communication buffers
-    the shard model does not allocate are added by launcher/memory/colossalai.py."""
+    the shard model does not allocate are added by launcher/backends/colossalai/layout.py."""
     if cfg.model_type not in TP_SHARDABLE:
         raise ValueError(f"tensor-parallel shard tracing supports {TP_SHARDABLE}, not {cfg.model_type!r}")
     heads = cfg.num_attention_heads

@@ -11,7 +11,7 @@ synchronous: streams and events have nothing to wait for), and keeps the sanity 
 test. None of this allocates tensors, so the memory a run measures is ColossalAI's own.
 
 The worker imports this module before ColossalAI launches when the test sets
-LAUNCHER_COLOSSALAI_TEST_PRELOAD=tests.colossalai_cpu_compat (launcher/worker/colossalai_backend.py).
+LAUNCHER_COLOSSALAI_TEST_PRELOAD=tests.colossalai_cpu_compat (launcher/backends/colossalai/worker.py).
 GeminiPlugin is not made to run: it has no fp32 path on CPU and its bf16 chunk handling fails.
 """
 from __future__ import annotations

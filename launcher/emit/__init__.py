@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from launcher.config import ColossalAIConfig, DDPConfig, DeepSpeedConfig, TrainingConfig
-from launcher.emit.colossalai import plugin_config
-from launcher.emit.ddp import ddp_settings
-from launcher.emit.deepspeed import deepspeed_config
+from launcher.backends.colossalai.emit import plugin_config
+from launcher.backends.ddp.emit import ddp_settings
+from launcher.backends.deepspeed.emit import deepspeed_config
 from launcher.types import Strategy
 
 

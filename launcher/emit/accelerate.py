@@ -3,7 +3,7 @@
 `accelerate_config` is the dict `accelerate launch --config_file` reads
 (accelerate/commands/config/config_args.py `ClusterConfig`; every key is one of its fields).
 A DeepSpeed candidate points `deepspeed_config.deepspeed_config_file` at the stand-alone
-DeepSpeed config (launcher/emit/standalone.py); torch DDP becomes Accelerate's MULTI_GPU, or
+DeepSpeed config (launcher/backends/deepspeed/standalone.py); torch DDP becomes Accelerate's MULTI_GPU, or
 MULTI_CPU with `use_cpu` on CPU processes, and one process without a wrapper (`single`) NO.
 ColossalAI has no Accelerate equivalent.
 

@@ -45,10 +45,10 @@ from launcher.types import Cluster, MemoryEstimate, Strategy, Workload
 from . import runtime
 from .common import (DTYPE_BYTES, PHASES, extrapolate_layouts, extrapolate_peaks, host_bytes,
                      phase_peaks)
-from .ddp import DDP_NOTES, SINGLE_NOTES, ddp_layout
-from .deepspeed import ZeroSetup, gradient_partitions, zero0_layout, zero12_layout
+from launcher.backends.ddp.layout import DDP_NOTES, SINGLE_NOTES, ddp_layout
+from launcher.backends.deepspeed.layout import ZeroSetup, gradient_partitions, zero0_layout, zero12_layout
 from .replay import peak_reserved_bytes
-from .zero3 import full_depth_numels, gathered_param_bytes, zero3_layout
+from launcher.backends.deepspeed.zero3 import full_depth_numels, gathered_param_bytes, zero3_layout
 
 TORCH_PRECISION = {  # precision -> (param_dtype, autocast_dtype) for torch backends
     "32-true": ("float32", None), "bf16-mixed": ("float32", "bfloat16"),
@@ -62,8 +62,8 @@ TRACE_OPTIMIZER = {"adamw_torch": "adamw_foreach", "adamw_torch_foreach": "adamw
 
 def deepspeed_support_problem(strategy: Strategy, precision: str, device: str | None = None) -> str:
     """Why DeepSpeed cannot run this precision with the worker's torch optimizer, or '': the
-    emitter's rule (launcher/emit/deepspeed.py `unsupported_reason`), which the worker applies too."""
-    from launcher.emit.deepspeed import unsupported_reason
+    emitter's rule (launcher/backends/deepspeed/emit.py `unsupported_reason`), which the worker applies too."""
+    from launcher.backends.deepspeed.emit import unsupported_reason
 
     return unsupported_reason(strategy, precision, device) or ""
 
@@ -89,7 +89,7 @@ def trace_request(strategy: Strategy, workload: Workload) -> dict:
         return {"param_dtype": DEEPSPEED_PRECISION[workload.precision], "autocast_dtype": None,
                 "optimizer": "none", **({"zero3_linear": True} if strategy.zero_stage == 3 else {})}
     if strategy.backend == "colossalai":
-        from .colossalai import trace_request as colossalai_trace_request
+        from launcher.backends.colossalai.layout import trace_request as colossalai_trace_request
 
         return colossalai_trace_request(strategy, workload)
     raise ConfigError(f"strategy={strategy.name}: backend {strategy.backend!r} has no memory model")
@@ -137,7 +137,7 @@ def _rank_layouts(traces: TraceSet, strategy: Strategy, workload: Workload, ds, 
 def deepspeed_notes(z: ZeroSetup, gathered) -> tuple:
     notes = [f"DeepSpeed ZeRO-{z.stage}: 16-bit (or fp32) model traced without optimizer; flat "
              "buffers, master weights, optimizer states, buckets and step temporaries modelled "
-             "from deepspeed/runtime (see launcher/memory/deepspeed.py, zero3.py).",
+             "from deepspeed/runtime (see launcher/backends/deepspeed/layout.py, zero3.py).",
              f"reduce_bucket_size={z.ds.reduce_bucket_size} elements, overlap_comm={z.overlap_comm}, "
              f"contiguous_gradients={z.ds.contiguous_gradients}; allgather_bucket_size unused "
              "(all_gather_into_tensor writes into the flat buffer, runtime/utils.py all_gather_dp_groups)."]
@@ -175,7 +175,7 @@ def estimate_memory(traces: TraceSet, strategy: Strategy, workload: Workload, cl
     (runtime.py `flash_attention_backward_bytes`), added to the backward peak on cuda."""
     extra: dict = {}
     if strategy.backend == "colossalai":
-        from .colossalai import colossalai_memory
+        from launcher.backends.colossalai.layout import colossalai_memory
 
         traces, layouts, notes, extra = colossalai_memory(traces, strategy, workload, ddp,
                                                           cai or ColossalAIConfig(), dp_size, cluster.device)

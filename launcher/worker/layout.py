@@ -74,7 +74,7 @@ def neutral_scheduler(directory: Path) -> dict:
 def _deepspeed_to_neutral(src: Path, dst: Path) -> None:
     import torch
 
-    from launcher.worker.backends import DS_TAG
+    from launcher.backends.deepspeed.worker import DS_TAG
 
     ds_dir = src / DS_TAG
     model_file = min(ds_dir.glob("*mp_rank_00_model_states.pt"))  # ZeRO-3: zero_pp_rank_0_mp_rank_00_...

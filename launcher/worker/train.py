@@ -99,8 +99,8 @@ def init_distributed(spec, env: RankEnv) -> None:
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed(dist_backend=dist_backend)
-    elif spec.backend == "colossalai":  # colossalai.launch_from_torch (launcher/worker/colossalai_backend.py)
-        from launcher.worker.colossalai_backend import launch
+    elif spec.backend == "colossalai":  # colossalai.launch_from_torch (launcher/backends/colossalai/worker.py)
+        from launcher.backends.colossalai.worker import launch
 
         launch(spec.seed)
     else:

@@ -47,7 +47,7 @@ def test_colossalai_fine_tunes_through_the_launcher(cli, strategy):
 
 def test_colossalai_tensor_parallel_run(cli):
     """HybridParallelPlugin tp=2 (one data-parallel rank): the shardformer-sharded Llama trains on
-    transformers 5 through the worker's forwards (launcher/worker/colossalai_transformers.py),
+    transformers 5 through the worker's forwards (launcher/backends/colossalai/transformers_tp.py),
     with ColossalAI's vocabulary-parallel loss, and checkpoints its sharded optimizer state."""
     r = cli("model=tiny-llama", "hardware=cpu", "gpus=2", "mode=run", "strategy=cai_tp",
             "training.micro_batch_size=2", "training.seq_len=64", f"training.max_steps={STEPS}",

@@ -3,7 +3,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from launcher.memory.gemini import unused_elements, unused_elements_many
+from launcher.backends.colossalai.gemini import unused_elements, unused_elements_many
 
 
 @settings(max_examples=100, deadline=None)

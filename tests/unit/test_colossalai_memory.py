@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from launcher.memory import gemini
-from launcher.memory.colossalai import buckets, padded
-from launcher.emit.colossalai import vocab_multiple
+from launcher.backends.colossalai import gemini
+from launcher.backends.colossalai.layout import buckets, padded
+from launcher.backends.colossalai.emit import vocab_multiple
 from launcher.trace import TraceKey, build_config, tp_padded_vocab
 
 MEGA = 1024**2

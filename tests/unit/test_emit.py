@@ -11,8 +11,8 @@ import pytest
 
 from launcher.config import DDPConfig, DeepSpeedConfig, Precision, TrainingConfig
 from launcher.emit import EMITTERS, emit
-from launcher.emit.ddp import ddp_settings
-from launcher.emit.deepspeed import FP16_DYNAMIC_LOSS_SCALE, deepspeed_config
+from launcher.backends.ddp.emit import ddp_settings
+from launcher.backends.deepspeed.emit import FP16_DYNAMIC_LOSS_SCALE, deepspeed_config
 from launcher.errors import ConfigError
 from launcher.speed import deepspeed_overlap_comm
 from launcher.types import Strategy

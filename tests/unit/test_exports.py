@@ -12,8 +12,8 @@ import yaml
 
 from launcher.config import DeepSpeedConfig, Optimizer, Precision, TrainingConfig
 from launcher.emit.accelerate import accelerate_config, command_lines
-from launcher.emit.deepspeed import deepspeed_config
-from launcher.emit.standalone import hf_trainer_config, standalone_config, unsupported_optimizer
+from launcher.backends.deepspeed.emit import deepspeed_config
+from launcher.backends.deepspeed.standalone import hf_trainer_config, standalone_config, unsupported_optimizer
 from launcher.types import Strategy
 from tests.conftest import run_cli
 

@@ -1,4 +1,4 @@
-"""Gemini's chunk layout (launcher/memory/gemini.py) against ColossalAI 0.5.0's own code, run on
+"""Gemini's chunk layout (launcher/backends/colossalai/gemini.py) against ColossalAI 0.5.0's own code, run on
 the CPU: the chunk-size search (`search_chunk_configuration`, on the real transformers model built
 on the meta device) and the chunk packing (`ChunkManager.register_tensor` with real `Chunk`s on a
 small model). Only the data-parallel size is set from outside, as the process group would set it."""
@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("colossalai")
 
-from launcher.memory.gemini import pack_chunks, search_chunk_size  # noqa: E402
+from launcher.backends.colossalai.gemini import pack_chunks, search_chunk_size  # noqa: E402
 
 from test_catalogue import CONF_DIR  # noqa: E402
 

@@ -7,8 +7,8 @@ from launcher.config import DDPConfig, DeepSpeedConfig
 from launcher.errors import ConfigError
 from launcher.memory import estimate_memory, trace_request
 from launcher.memory.common import model_state_bytes
-from launcher.memory.deepspeed import ZeroSetup, zero0_layout, zero12_layout
-from launcher.memory.zero3 import gathered_param_bytes, zero3_layout
+from launcher.backends.deepspeed.layout import ZeroSetup, zero0_layout, zero12_layout
+from launcher.backends.deepspeed.zero3 import gathered_param_bytes, zero3_layout
 from launcher.steptrace import Kind, ParamTable, Role, StepTrace, TraceSet
 from launcher.types import Cluster, Strategy, Workload
 
@@ -133,7 +133,7 @@ def test_zero_model_states_match_the_paper_with_tiny_buckets(dp):
 
 
 def test_zero2_gradient_partition_holds_whole_parameters_overlapping_the_partition():
-    from launcher.memory.deepspeed import grads_in_partition_numel
+    from launcher.backends.deepspeed.layout import grads_in_partition_numel
     # flat [0,10) [10,30) [30,40), dp=2 -> partitions [0,20) [20,40): rank 1 holds 20 + 10
     assert grads_in_partition_numel([10, 20, 10], 2) == 30
 
@@ -160,7 +160,7 @@ def test_trace_request_follows_each_framework():
     true = Workload(8, 1, "bf16-true", "adamw_torch", False, "sdpa")
     assert trace_request(Strategy("zero3", "deepspeed", 3), true)["param_dtype"] == "bfloat16"
     # ZeRO-0 runs bf16-true with the client optimizer on bf16 parameters (a 2-rank DeepSpeed run
-    # trains so; see launcher/emit/deepspeed.py unsupported_reason)
+    # trains so; see launcher/backends/deepspeed/emit.py unsupported_reason)
     assert trace_request(Strategy("zero0", "deepspeed", 0), true)["param_dtype"] == "bfloat16"
     with pytest.raises(ConfigError, match="bf16-true"):
         trace_request(Strategy("zero2_offload", "deepspeed", 2, offload_optimizer=True), true)

@@ -1,5 +1,5 @@
 """Which DeepSpeed (strategy, precision) pairs run with the worker's torch AdamW: one rule
-(launcher/emit/deepspeed.py `unsupported_reason`) shared by the planner, the memory model and the
+(launcher/backends/deepspeed/emit.py `unsupported_reason`) shared by the planner, the memory model and the
 worker, and an estimate for every supported pair.
 
 The rule was checked by 2-rank gloo CPU runs of a tiny Llama with `torch.optim.AdamW` (DeepSpeed
@@ -13,13 +13,13 @@ from types import SimpleNamespace
 import pytest
 
 from launcher.config import DDPConfig, DeepSpeedConfig
-from launcher.emit.deepspeed import unsupported_reason
+from launcher.backends.deepspeed.emit import unsupported_reason
 from launcher.errors import ConfigError
 from launcher.memory import deepspeed_support_problem, estimate_memory, trace_request
 from launcher.planner import STRATEGIES
 from launcher.steptrace import TraceSet
 from launcher.types import Cluster, Workload
-from launcher.worker.backends import deepspeed_config as worker_ds_config
+from launcher.backends.deepspeed.worker import deepspeed_config as worker_ds_config
 
 from test_memory_models import synthetic_trace
 
@@ -80,7 +80,7 @@ def _worker_spec(strategy, precision, framework_config, device="cuda"):
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_worker_accepts_what_the_emitter_writes(case):
     from launcher.config import Precision, TrainingConfig
-    from launcher.emit.deepspeed import deepspeed_config
+    from launcher.backends.deepspeed.emit import deepspeed_config
 
     strategy, precision = case
     training = TrainingConfig(precision=Precision[precision])

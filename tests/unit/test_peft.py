@@ -82,7 +82,7 @@ def _lora_model():
 def test_8bit_state_bytes_of_a_lora_model_match_bitsandbytes(name):
     """The modelled state of the adapters equals the bytes of bitsandbytes' own state tensors after
     a real step (CPU; qmaps are shared by every parameter and counted once)."""
-    from launcher.worker.backends import make_optimizer
+    from launcher.worker.optim import make_optimizer
 
     model = _lora_model()
     params = [p for p in model.parameters() if p.requires_grad]

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from launcher.errors import ConfigError
 from launcher.worker import checkpoint, metrics
-from launcher.worker.backends import deepspeed_config, lr_factor
+from launcher.backends.deepspeed.worker import deepspeed_config
+from launcher.worker.optim import lr_factor
 from launcher.worker.data import (SampleOrder, demo_path, micro_batch_positions, pack_blocks,
                                   read_documents, samples_per_step)
 from launcher.worker.model import build_config, check_seq_len, max_positions, precision_plan

@@ -9,10 +9,10 @@ from launcher.config import DDPConfig, DeepSpeedConfig
 from launcher.measure import memory_rows
 from launcher.memory import estimate_memory
 from launcher.memory.common import category_curves
-from launcher.memory.deepspeed import (ZeroSetup, full_depth_flush_events, gradient_partitions,
+from launcher.backends.deepspeed.layout import (ZeroSetup, full_depth_flush_events, gradient_partitions,
                                        grads_in_partition_numel, partition_mask, reduce_events,
                                        zero12_layout)
-from launcher.memory.zero3 import zero3_layout
+from launcher.backends.deepspeed.zero3 import zero3_layout
 from launcher.steptrace import Kind, ParamTable, Role, StepTrace, TraceSet
 from launcher.types import Cluster, MemoryEstimate, Strategy, Workload
 

@@ -1,7 +1,7 @@
 """ColossalAI training backend: `colossalai.launch_from_torch` + `Booster(plugin=...)`.
 
 framework_config is the emitted colossalai_plugin.json: {"plugin": <class name in
-colossalai.booster.plugin>, "kwargs": {...}} (launcher/emit/colossalai.py).
+colossalai.booster.plugin>, "kwargs": {...}} (launcher/backends/colossalai/emit.py).
 
 - The optimizer is a torch optimizer (`make_optimizer`): ColossalAI's HybridAdam / CPUAdam are
   kernels built with CUDA headers (colossalai/kernel/kernel_loader.py), and a torch optimizer
@@ -62,7 +62,7 @@ def plugin_class(name: str):
 def launch(seed: int) -> None:
     """Join the process group through ColossalAI (it picks gloo on its CPU accelerator, nccl on
     CUDA: colossalai/initialize.py `launch`), after the optional test preload and the
-    transformers-5 shardformer forwards (launcher/worker/colossalai_transformers.py)."""
+    transformers-5 shardformer forwards (launcher/backends/colossalai/transformers_tp.py)."""
     module = os.environ.get(TEST_PRELOAD_ENV)
     if module:
         importlib.import_module(module)
@@ -83,7 +83,7 @@ class ColossalAIBackend:
         import torch
         from colossalai.booster import Booster
 
-        from launcher.worker.backends import make_optimizer, make_scheduler
+        from launcher.worker.optim import make_optimizer, make_scheduler
 
         check_plugin_config(spec.framework_config)
         name, kwargs = spec.framework_config["plugin"], dict(spec.framework_config.get("kwargs", {}))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from launcher.steptrace import Kind, Role, StepTrace
 
-from .common import (Layout, grad_ready_order, optimizer_state_numel_factor, optimizer_step_scalar_bytes,
+from launcher.memory.common import (Layout, grad_ready_order, optimizer_state_numel_factor, optimizer_step_scalar_bytes,
                      optimizer_step_temp_numel, trainable_params)
 
 PLUGIN_DTYPE = {"32-true": "float32", "bf16-mixed": "bfloat16", "16-mixed": "float16"}
@@ -180,7 +180,7 @@ def trace_request(strategy, workload) -> dict:
     tensor-parallel shard."""
     from launcher.errors import ConfigError
 
-    from . import TORCH_PRECISION, TRACE_OPTIMIZER
+    from launcher.memory import TORCH_PRECISION, TRACE_OPTIMIZER
 
     if strategy.name == "cai_ddp":
         param_dtype, autocast = TORCH_PRECISION[workload.precision]
@@ -196,9 +196,9 @@ def trace_request(strategy, workload) -> dict:
 
 
 def _zero_setup(strategy, workload, cai, dp: int, device: str) -> ZeroSetup:
-    from launcher.emit.colossalai import overlap
+    from launcher.backends.colossalai.emit import overlap
 
-    from .common import DTYPE_BYTES
+    from launcher.memory.common import DTYPE_BYTES
 
     return ZeroSetup(stage=strategy.zero_stage, model_bytes=DTYPE_BYTES[PLUGIN_DTYPE[workload.precision]],
                      dp=dp, bucket_numel=cai.reduce_bucket_size_in_m * MEGA, overlap=overlap(cai, device),
@@ -209,12 +209,12 @@ def colossalai_memory(traces, strategy, workload, ddp, cai, dp: int, device: str
     """(traces as extrapolated, per-depth layouts, notes, extra bytes {phase: {category: bytes}})."""
     import dataclasses
 
-    from .ddp import bucket_bytes, ddp_layout
-    from .zero3 import full_depth_numels
+    from launcher.backends.ddp.layout import bucket_bytes, ddp_layout
+    from launcher.backends.deepspeed.zero3 import full_depth_numels
 
     pair = (traces.depth1, traces.depth2)
     if strategy.name == "cai_ddp":
-        from .ddp import DDP_NOTES
+        from launcher.backends.ddp.layout import DDP_NOTES
 
         return traces, [ddp_layout(t, ddp, dp) for t in pair], DDP_NOTES, {}
     z = _zero_setup(strategy, workload, cai, dp, device)
@@ -231,7 +231,7 @@ def colossalai_memory(traces, strategy, workload, ddp, cai, dp: int, device: str
                    for t in pair]
     extra: dict = {}
     if strategy.tp_size > 1:
-        from launcher.emit.colossalai import PARALLEL_OUTPUT
+        from launcher.backends.colossalai.emit import PARALLEL_OUTPUT
 
         tokens = traces.depth1.micro_batch_size * traces.depth1.seq_len
         b = tp_extra_bytes(tokens, strategy.tp_size, z.model_bytes, PARALLEL_OUTPUT, 0)
@@ -241,7 +241,7 @@ def colossalai_memory(traces, strategy, workload, ddp, cai, dp: int, device: str
     notes = (f"ColossalAI {strategy.name}: plugin precision model traced without optimizer"
              + (f" (tensor-parallel shard, tp={strategy.tp_size})" if strategy.tp_size > 1 else "")
              + "; LowLevelZero/Hybrid storages modelled from colossalai/zero/low_level and "
-             "booster/plugin (launcher/memory/colossalai.py).",)
+             "booster/plugin (launcher/backends/colossalai/layout.py).",)
     return traces, layouts, notes, extra
 
 
@@ -261,7 +261,7 @@ def pipeline_inflight_bytes(traces, pp_size: int, cai) -> dict:
     start, at the stage's depth. Each stage is estimated with the embedding and the LM head both
     present (an upper bound for the worst rank: the embedding is on the first stage, the LM head
     and the loss on the last)."""
-    from launcher.emit.colossalai import num_microbatches
+    from launcher.backends.colossalai.emit import num_microbatches
 
     m = num_microbatches(cai, pp_size)
 
@@ -290,7 +290,7 @@ def gemini_extra(sizes: list[int], z: ZeroSetup, cai) -> dict:
     master shards and Adam states in every phase; the gathered chunks in forward and backward; in
     the step one chunk shard's gradient cast to fp32 (gemini_optimizer.py `_update_fp16_params` /
     `step`: per chunk `chunk16.cuda_shard.float()`)."""
-    from .gemini import gemini_bytes, search_chunk_size
+    from launcher.backends.colossalai.gemini import gemini_bytes, search_chunk_size
 
     search = search_chunk_size(sizes, z.dp, cai.search_range_m, cai.min_chunk_size_m, cai.hidden_dim)
     static = cai.placement_policy == "static"
@@ -309,7 +309,7 @@ def gemini_extra(sizes: list[int], z: ZeroSetup, cai) -> dict:
 GEMINI_NOTES = (
     "ColossalAI Gemini: chunk size searched as search_chunk_configuration does; 16-bit and fp32 "
     "chunks sharded over the data-parallel ranks, gradients reuse the 16-bit chunks; the two "
-    "largest chunks gathered during compute (launcher/memory/gemini.py).",
+    "largest chunks gathered during compute (launcher/backends/colossalai/gemini.py).",
     "placement_policy=auto is estimated as static with shard_param_frac=1 and no offload (auto "
     "moves chunks to host memory only under memory pressure).",
 )

@@ -1,6 +1,6 @@
 """colossalai_plugin.json for a ColossalAI candidate: {"plugin": <class in colossalai.booster.plugin>,
 "kwargs": {...}}; the worker builds `plugin_class(**kwargs)` and a `Booster` around it
-(launcher/worker/colossalai_backend.py). Pure: every memory-relevant knob is copied from the same
+(launcher/backends/colossalai/worker.py). Pure: every memory-relevant knob is copied from the same
 `ColossalAIConfig` / `DDPConfig` the estimators read.
 
 Plugin constructors (ColossalAI 0.5.0, colossalai/booster/plugin/):

@@ -1,6 +1,6 @@
 """DeepSpeed configs that stand on their own, for the tools users already run.
 
-`ds_config.json` (launcher/emit/deepspeed.py) is what the worker hands DeepSpeed together with
+`ds_config.json` (launcher/backends/deepspeed/emit.py) is what the worker hands DeepSpeed together with
 its own client optimizer. A user who calls `deepspeed.initialize(model=..., config=...)`, or hands
 the file to HF Trainer, Accelerate, Axolotl or LLaMA-Factory, brings no optimizer: DeepSpeed
 builds it from the config's `optimizer` block (deepspeed/runtime/engine.py
@@ -80,7 +80,7 @@ def scheduler_block(training: TrainingConfig) -> dict:
 
 
 def standalone_config(ds_config: dict, training: TrainingConfig) -> dict:
-    """`ds_config` (launcher/emit/deepspeed.py) with optimizer and scheduler blocks."""
+    """`ds_config` (launcher/backends/deepspeed/emit.py) with optimizer and scheduler blocks."""
     return {**ds_config, "optimizer": optimizer_block(training), "scheduler": scheduler_block(training)}
 
 

@@ -5,7 +5,7 @@ engine and its optimizer wrapper allocate is added here, each term citing the co
 
 Which wrapper runs (engine.py `_do_optimizer_sanity_check`, grad_accum_dtype left unset so it
 equals the model dtype): stage 0 + fp32, and stage 0 + bf16-true (a bf16 model with no bf16
-section in ds_config, launcher/emit/deepspeed.py) -> the client optimizer itself; stage 0 + bf16/fp16 ->
+section in ds_config, launcher/backends/deepspeed/emit.py) -> the client optimizer itself; stage 0 + bf16/fp16 ->
 `FP16_Optimizer` (fp16/fused_optimizer.py, also for bf16 as DDP_BFLOAT16); stages 1-2 ->
 `DeepSpeedZeroOptimizer` (zero/stage_1_and_2.py); stage 3 -> zero3.py.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from launcher.config import DeepSpeedConfig
 from launcher.steptrace import Kind, StepTrace
 
-from .common import (Layout, at_traced_depth, first_ready_event, free_at_next_ready,
+from launcher.memory.common import (Layout, at_traced_depth, first_ready_event, free_at_next_ready,
                      full_depth_numels, grad_ready_order, layer_numel, modelled_state_bytes,
                      optimizer_state_numel_factor,
                      optimizer_step_scalar_bytes, optimizer_step_temp_numel, trainable_params)

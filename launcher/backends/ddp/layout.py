@@ -19,7 +19,7 @@ from __future__ import annotations
 from launcher.config import DDPConfig
 from launcher.steptrace import Kind, StepTrace
 
-from .common import Layout, grad_ready_order, modelled_state_bytes, trainable_params
+from launcher.memory.common import Layout, grad_ready_order, modelled_state_bytes, trainable_params
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 

@@ -14,9 +14,9 @@ import math
 
 from launcher.steptrace import Kind, Role, StepTrace
 
-from .common import (Layout, distinct_params, free_at_next_ready, full_depth_numels,  # noqa: F401
+from launcher.memory.common import (Layout, distinct_params, free_at_next_ready, full_depth_numels,  # noqa: F401
                      grad_ready_order, optimizer_step_temp_numel, trainable_params)
-from .deepspeed import ZeroSetup, _states, numels
+from launcher.backends.deepspeed.layout import ZeroSetup, _states, numels
 
 
 def partition_numel(numel: int, dp: int) -> int:
