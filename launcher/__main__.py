@@ -8,17 +8,18 @@ import hydra
 from omegaconf import DictConfig
 
 from launcher import cli
+from launcher.config import register_schema
+from launcher import app
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
-    from launcher import app
-
     with cli.user_errors():
         app.main(cfg)
 
 
 def main() -> None:
+    register_schema()
     with cli.user_errors():
         sys.argv = [sys.argv[0], *cli.prepare_argv(sys.argv[1:])]
     _hydra_main()

@@ -10,119 +10,22 @@ import os
 import sys
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from launcher import margin
+from launcher import (calibrate, exports, fallback, infer_plan, launch, measure, planner, report, report_html,
+                      report_table, slurm)
+from launcher.calibrate import other_machine_note
 from launcher.config import LauncherConfig
-from launcher.errors import ConfigError, collect
-
-
-def to_config(cfg: DictConfig, argv: list[str] | None = None) -> LauncherConfig:
-    """The last place that knows about OmegaConf; validates every value at once. `argv`: the
-    command-line overrides (default sys.argv[1:]), the only place trust_remote_code may come from."""
-    config: LauncherConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
-    collect(problems(config, argv))
-    config.planner.safety_margin = margin.resolve(config.planner.safety_margin, config.hardware.device)
-    return config
-
-
-def set_true_on_command_line(key: str, argv: list[str]) -> bool:
-    """Whether the last override of `key` in argv (Hydra syntax, optional +/++ prefix) is a value
-    OmegaConf reads as true (its BooleanNode accepts true/yes/on/y/1, any case)."""
-    values = [a.partition("=")[2] for a in argv if a.partition("=")[0].lstrip("+~") == key]
-    return bool(values) and values[-1].strip().strip("'\"").lower() in ("true", "yes", "on", "y", "1")
-
-
-def run_problems(c: LauncherConfig) -> list[str]:
-    """Limits of the run-time keys: dataset, resume, fallback, checkpoints, restarts, numbers."""
-    import math
-
-    out: list[str] = []
-    t = c.training
-    if c.data.path != "demo" and not Path(c.data.path).expanduser().exists():
-        out.append(f"data.path={c.data.path}: no such file or directory; give a .txt, .jsonl, a "
-                   f"datasets.save_to_disk directory, or data.path=demo")
-    if not isinstance(c.resume, (bool, str)):
-        out.append(f"resume={c.resume}: must be false or the directory of a previous run (resume=runs/<date>/<time>_<model>)")
-    for key, value in (("training.warmup_steps", t.warmup_steps), ("training.weight_decay", t.weight_decay),
-                       ("training.max_grad_norm", t.max_grad_norm), ("checkpoint.every_steps", c.checkpoint.every_steps),
-                       ("checkpoint.keep", c.checkpoint.keep), ("launch.max_restarts", c.launch.max_restarts),
-                       ("max_fallbacks", c.max_fallbacks)):
-        if not value >= 0 or (isinstance(value, float) and not math.isfinite(value)):
-            out.append(f"{key}={value}: must be zero or more")
-    if not math.isfinite(t.learning_rate):
-        out.append(f"training.learning_rate={t.learning_rate}: must be a finite number, e.g. 2e-4")
-    if not 1 <= c.launch.master_port <= 65535:
-        out.append(f"launch.master_port={c.launch.master_port}: must be a TCP port in 1..65535, e.g. 29517")
-    if c.worker.simulate_oom_above_bytes is not None and c.worker.simulate_oom_above_bytes < 1:
-        out.append(f"worker.simulate_oom_above_bytes={c.worker.simulate_oom_above_bytes}: must be positive or null")
-    hw = c.hardware
-    for key in ("host_memory_bytes", "matmul_efficiency", "memory_bandwidth_gbps", "intra_node_bandwidth_gbps",
-                "inter_node_bandwidth_gbps", "host_link_bandwidth_gbps"):
-        value = getattr(hw, key)
-        if not (value > 0 and math.isfinite(value)):
-            out.append(f"hardware.{key}={value}: must be a positive number")
-    if not hw.matmul_efficiency <= 1:
-        out.append(f"hardware.matmul_efficiency={hw.matmul_efficiency}: must be at most 1 (a fraction of peak)")
-    out += [f"hardware.peak_tflops.{k}={v}: must be a positive number" for k, v in hw.peak_tflops.items()
-            if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v))]
-    from launcher.slurm import launch_problems
-
-    out += launch_problems(c)
-    return out
-
-
-def problems(c: LauncherConfig, argv: list[str] | None = None) -> list[str]:
-    """Every problem with the values, each naming the key and the fix."""
-    out: list[str] = run_problems(c)
-    t = c.training
-    if c.gpus < 1:
-        out.append(f"gpus={c.gpus}: must be at least 1; e.g. gpus=4")
-    if c.nodes < 1:
-        out.append(f"nodes={c.nodes}: must be at least 1; e.g. nodes=2")
-    elif c.gpus >= 1 and c.gpus % c.nodes:
-        out.append(f"gpus={c.gpus} is not divisible by nodes={c.nodes}; gpus counts GPUs over all nodes, "
-                   f"e.g. gpus={c.nodes * max(1, c.gpus // c.nodes)} nodes={c.nodes}")
-    for key in ("seq_len", "max_steps"):
-        if getattr(t, key) < 1:
-            out.append(f"training.{key}={getattr(t, key)}: must be at least 1")
-    for key in ("micro_batch_size", "global_batch_size"):
-        v = getattr(t, key)
-        if v is not None and v < 1:
-            out.append(f"training.{key}={v}: must be at least 1 (or null to let the planner choose)")
-    if t.micro_batch_size and t.global_batch_size and c.gpus >= 1 and t.global_batch_size % (t.micro_batch_size * c.gpus):
-        m, dp = t.micro_batch_size, c.gpus
-        out.append(f"training.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size x "
-                   f"data-parallel size = {m} x {dp}; try training.global_batch_size={m * dp * max(1, t.global_batch_size // (m * dp))}")
-    if c.strategy.name == "single" and c.gpus > 1:
-        out.append(f"strategy=single runs one process without a data-parallel wrapper; with gpus={c.gpus} "
-                   "use strategy=ddp (or auto)")
-    if t.learning_rate <= 0:
-        out.append(f"training.learning_rate={t.learning_rate}: must be positive")
-    if c.planner.safety_margin is not None and not 0 <= c.planner.safety_margin < 1:
-        out.append(f"planner.safety_margin={c.planner.safety_margin}: must be in [0, 1), e.g. 0.05")
-    if c.planner.max_micro_batch_size < 1:
-        out.append(f"planner.max_micro_batch_size={c.planner.max_micro_batch_size}: must be at least 1")
-    ds = c.deepspeed
-    for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-                "stage3_max_live_parameters", "sub_group_size"):
-        if getattr(ds, key) < 1:
-            out.append(f"deepspeed.{key}={getattr(ds, key)}: must be a positive number of elements")
-    if c.ddp.bucket_cap_mb <= 0:
-        out.append(f"ddp.bucket_cap_mb={c.ddp.bucket_cap_mb}: must be positive, e.g. 25")
-    if c.hardware.memory_bytes <= 0:
-        out.append(f"hardware.memory_bytes={c.hardware.memory_bytes}: must be positive")
-    if c.model.trust_remote_code and not set_true_on_command_line(
-            "model.trust_remote_code", sys.argv[1:] if argv is None else argv):
-        out.append("model.trust_remote_code: may only be enabled on the command line "
-                   "(model.trust_remote_code=true), never from a config or recipe file")
-    return out
+from launcher.environment import detect
+from launcher.errors import ConfigError
+from launcher.hardware import cluster_from, local_gpu_names
+from launcher.model import load_spec
+from launcher.progress import working
+from launcher.validate import to_config
 
 
 def model_spec(config: LauncherConfig):
     """The model's numbers, checked against the workload (sequence length within its positions)."""
-    from launcher.model import load_spec
-
     spec = load_spec(config.model, config.cache_dir)
     seq_max = spec.max_positions
     if seq_max is not None and config.training.seq_len > seq_max:
@@ -134,13 +37,9 @@ def model_spec(config: LauncherConfig):
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from launcher import planner, report
-    from launcher.hardware import cluster_from, local_gpu_names
-
     config = to_config(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if isinstance(config.resume, str):  # resume=<run dir>: continue that run (launcher/fallback.py)
-        from launcher import fallback
 
         rc = fallback.resume_run(config, quiet=config.report.name == "json")
         if rc != 0:
@@ -151,13 +50,10 @@ def main(cfg: DictConfig) -> None:
                           f"use a new hydra.run.dir, or resume={run_dir} to continue that run")
     config.run_dir = str(run_dir)
     if config.mode.name == "calibrate":
-        from launcher import calibrate
-
         calibrate.main(config, run_dir)
         return
     spec = model_spec(config)
     if config.mode.name == "infer_plan":  # serving memory per GPU (launcher/infer_plan.py)
-        from launcher import infer_plan
 
         result = infer_plan.infer_plan(config, spec)
         (run_dir / "infer_plan.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -171,30 +67,26 @@ def main(cfg: DictConfig) -> None:
         if mode == "plan" and config.hardware.device != "cpu":
             print(report.wrapped("note: no local GPU: planning only. To train for real on CPU processes, "
                                  "add hardware=cpu (e.g. scripts/demo)"), file=sys.stderr)
-    from launcher.calibrate import other_machine_note
 
     note = other_machine_note(config.hardware)
     if note and config.report.name != "json":
         print(report.wrapped(note), file=sys.stderr)
     # the job inherits this environment (torchrun, sbatch): its allocator settings shape peak reserved
     cluster = cluster_from(config.hardware, config.gpus, config.nodes, os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
-    from launcher.progress import working
 
     where = f"{config.gpus} CPU processes" if cluster.device == "cpu" else f"{config.gpus} x {config.hardware.name}"
     with working(f"planning {spec.name} on {where}: tracing the model, estimating every strategy"):
-        plan = planner.plan(config, spec, cluster)
+        plan = planner.plan(config, spec, cluster, detect())
     plan_dict = report.plan_to_dict(plan, cluster.memory_bytes)
     (run_dir / "plan.json").write_text(json.dumps(plan_dict, indent=2) + "\n")
-    from launcher import exports
 
     exports.write(plan, config, run_dir)
-    from launcher import report_html
 
     report_html.write(run_dir, config.planner.safety_margin, cluster.device)
     if config.report.name == "json":
         print(json.dumps(plan_dict, indent=2))
     else:
-        report.print_plan(plan, cluster.memory_bytes, cluster.device, wide=config.report.name == "wide")
+        report_table.print_plan(plan, cluster.memory_bytes, cluster.device, wide=config.report.name == "wide")
     if plan.chosen is None:
         fits = any(c.fits for c in plan.candidates)
         print("No candidate that fits can be launched here; see each verdict." if fits else
@@ -202,14 +94,12 @@ def main(cfg: DictConfig) -> None:
         if mode in ("run", "measure"):
             sys.exit(1)
         return
-    from launcher import launch
 
     job = launch.prepare(plan, config, spec, run_dir)
     quiet = config.report.name == "json"
     if not quiet:
         print(f"\nrun directory: {run_dir}\nlaunch command:\n{report.shell_block(job.argv)}")
     if config.launch.kind.name != "torchrun":  # launch=slurm / sbatch_script (launcher/slurm.py)
-        from launcher import slurm
 
         rc = slurm.dispatch(config, job, plan.candidates[plan.chosen], mode, quiet, plan, spec)
         if rc == 0 and mode == "run" and config.launch.kind.name == "slurm" and config.launch.wait and not quiet:
@@ -218,15 +108,11 @@ def main(cfg: DictConfig) -> None:
             sys.exit(rc)
         return
     if mode == "measure":
-        from launcher import measure
-
         result = measure.measure(job, plan, config)
         report_html.write(run_dir, config.planner.safety_margin, cluster.device)
         print(json.dumps(result, indent=2) if quiet else "\n" + measure.format_result(result))
         return
     if mode == "run":
-        from launcher import fallback
-
         rc, final_dir = fallback.run_with_fallback(plan, config, spec, job, quiet=quiet)
         report_html.write(run_dir, config.planner.safety_margin, cluster.device, Path(final_dir))
         if rc != 0:

@@ -39,6 +39,8 @@ from pathlib import Path
 import yaml
 
 from launcher.config import LauncherConfig
+from launcher.calibrate_frameworks import add_to_profile, measure_frameworks
+from launcher.errors import ConfigError
 
 GB = 1e9
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -339,8 +341,6 @@ def main(config: LauncherConfig, run_dir: Path) -> Path:
         import torch
 
         if not torch.cuda.is_available() or torch.cuda.device_count() < config.gpus:
-            from launcher.errors import ConfigError
-
             raise ConfigError(f"mode=calibrate with hardware={config.hardware.name} needs {config.gpus} local GPUs; "
                               "use hardware=cpu to calibrate CPU processes")
     cal = asdict(config.calibrate)
@@ -355,8 +355,6 @@ def main(config: LauncherConfig, run_dir: Path) -> Path:
     path.write_text(header + yaml.safe_dump(prof, sort_keys=False))
     frameworks = []
     if config.calibrate.frameworks:
-        from launcher.calibrate_frameworks import add_to_profile, measure_frameworks
-
         overhead, frameworks = measure_frameworks(
             list(config.calibrate.frameworks), list(config.calibrate.framework_depths),
             config.calibrate.framework_timing_steps, path, config.gpus, run_dir / "frameworks",

@@ -29,6 +29,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import yaml
+from launcher.runspec import RunSpec
+from launcher.errors import ConfigError
 
 CALIBRATION_MODEL = "tiny-llama"
 SEQ_LEN, MICRO_BATCH, WARMUP_STEPS = 16, 1, 3
@@ -56,8 +58,6 @@ def retime_s(run_dir: Path, steps: int, warmup: int, num_procs: int, env: dict |
     """Median step time of one more timing run of a measured run directory: torchrun on a copy of
     its timing/run.json in RUN_DIR/retime (steps after `warmup` warm-up steps). One retry: a
     transient failure (the rendezvous port taken) is not a result."""
-    from launcher.runspec import RunSpec
-
     spec = RunSpec.load(run_dir / "timing" / "run.json")
     out = run_dir / "retime"
     shutil.rmtree(out, ignore_errors=True)
@@ -129,8 +129,6 @@ def _measure_point(strategy: str, depth: int, profile_file: Path, gpus: int, ste
     proc = subprocess.run(cell_argv(strategy, depth, profile_file, gpus, steps, run_dir), capture_output=True,
                           text=True, env={**os.environ, **OFFLINE_ENV})
     if proc.returncode != 0:
-        from launcher.errors import ConfigError
-
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise ConfigError(f"calibrate.frameworks: strategy={strategy} did not train here ({last}); "
                           f"remove it from calibrate.frameworks")

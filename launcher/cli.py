@@ -9,9 +9,17 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
+from launcher.catalogue import CONF_DIR, did_you_mean, group_options
+from launcher.config import register_schema
+from launcher.validate import to_config
 from launcher.errors import ConfigError, one_line
+from launcher import fallback, recipes
+from launcher import recipe_export
+from launcher.app import model_spec
+from launcher.report import wrapped
+from launcher.hardware import detect_local_profile
+from launcher.config import LauncherConfig
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 GROUPS = ("model", "hardware")
 
 
@@ -34,17 +42,11 @@ def _fail(msg: str) -> None:
     sys.exit(ConfigError.exit_code)
 
 
-def group_options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
-
-
 def prepare_argv(argv: list[str]) -> list[str]:
     """Validate the overrides by composing them, and add detected defaults (hardware)."""
-    import launcher.config  # noqa: F401  (registers launcher_schema; a -m sweep composes only in Hydra)
-    from launcher import fallback, recipes
+    register_schema()  # a -m sweep composes only in Hydra
 
     if any(a.partition("=")[0] == "recipe_from" for a in argv):  # export a finished run as a recipe
-        from launcher import recipe_export
 
         recipe_export.main(argv)
         raise SystemExit(0)
@@ -61,16 +63,12 @@ def prepare_argv(argv: list[str]) -> list[str]:
         argv = [*argv, f"hardware={hw}"]
         notes.append(note)
     if "-m" not in argv and "--multirun" not in argv:
-        from launcher.app import model_spec
-
         config = compose(argv)
         if config.mode.name != "calibrate":  # calibration measures the machine, not a model
             model_spec(config)  # raises on any bad key, value or model
         if isinstance(config.resume, str):
-            fallback.check_resume(config)
+            fallback.check_resume(config, compose(run_overrides(config.resume)))
     for n in notes:
-        from launcher.report import wrapped
-
         print(wrapped(f"note: {n}"), file=sys.stderr)
     return argv
 
@@ -132,9 +130,14 @@ def translate_hardware(argv: list[str]) -> list[str]:
 
 def detect_hardware() -> tuple[str, str]:
     """Map the first local GPU (nvidia-smi name) to a hardware profile; a100-80g if none."""
-    from launcher.hardware import detect_local_profile
-
     return detect_local_profile(group_options("hardware"))
+
+
+def run_overrides(run_dir: str) -> list[str]:
+    """The command-line overrides a run was started with (Hydra's .hydra/overrides.yaml)."""
+    from omegaconf import OmegaConf
+
+    return [str(a) for a in OmegaConf.load(Path(run_dir) / ".hydra" / "overrides.yaml")]
 
 
 def compose(argv: list[str]):
@@ -142,8 +145,7 @@ def compose(argv: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from launcher.app import to_config
-
+    register_schema()
     overrides = [a for a in argv if not a.startswith("-")
                  and (not a.startswith("hydra.") or a.startswith("hydra.searchpath="))]
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
@@ -192,17 +194,8 @@ def _explain(err: BaseException) -> str | None:
     return None
 
 
-def did_you_mean(word: str, choices: list[str], prefix: str = "") -> str:
-    import difflib
-
-    close = difflib.get_close_matches(word, choices, n=1)
-    return f" (did you mean {prefix}{close[0]}?)" if close else ""
-
-
 def valid_keys(full_key: str | None) -> list[str]:
     """The field names allowed next to `full_key` in the schema."""
-    from launcher.config import LauncherConfig
-
     cls = LauncherConfig
     for p in (full_key or "").split(".")[:-1]:
         f = {f.name: f for f in dataclasses.fields(cls)}.get(p)

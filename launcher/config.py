@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
-from omegaconf import MISSING
+MISSING = "???"  # OmegaConf's marker of a value that must be given (omegaconf.MISSING)
 
 
 def _enum(name: str, members: list[str], doc: str) -> type[Enum]:
@@ -491,10 +491,9 @@ class LauncherConfig:
 
 
 def register_schema() -> None:
-    """Make `launcher_schema` (the typed base of conf/config.yaml) known to Hydra."""
+    """Make `launcher_schema` (the typed base of conf/config.yaml) known to Hydra. Called by the
+    entry points before they compose (launcher/__main__.py, launcher/cli.py `compose`), so the
+    planning core that reads these dataclasses never imports Hydra."""
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="launcher_schema", node=LauncherConfig)
-
-
-register_schema()

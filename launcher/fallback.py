@@ -31,6 +31,10 @@ from pathlib import Path
 from typing import Optional
 
 from launcher.errors import ConfigError
+from launcher.worker.oom import oom_files
+from launcher import fallback_resume, launch
+from launcher.runspec import RunSpec
+from launcher.worker import checkpoint
 
 ATTEMPT_DIR = re.compile(r"^attempt-(\d+)$")
 RESUMABLE = ("training.max_steps", "checkpoint.*", "launch.*", "report", "mode", "cache_dir", "fallback",
@@ -43,8 +47,6 @@ MIB = 2 ** 20
 
 def read_oom(run_dir: Path) -> Optional[dict]:
     """Merge the ranks' oom-rank{R}.json into RUN_DIR/oom.json; None when no rank ran out."""
-    from launcher.worker.oom import oom_files
-
     reports = [json.loads(p.read_text()) for p in oom_files(run_dir)]
     if not reports:
         return None
@@ -89,8 +91,6 @@ def run_with_fallback(plan, config, spec, job, quiet: bool = False, execute=None
     ...}, updated in place): the attempts so far and where the running one continued from, so a
     requeued Slurm job continues the record. fallback.json is rewritten after every attempt.
     Returns the last exit code and the directory of the last attempt."""
-    from launcher import fallback_resume, launch
-
     execute = execute or (lambda j, _: launch.execute(j, quiet=quiet))
     run_dir, index, tried = Path(config.run_dir or job.run_dir), plan.chosen, {plan.chosen}
     state = state if state is not None else {}
@@ -215,8 +215,6 @@ def _flat(obj, prefix: str = "") -> dict:
 
 def latest_complete_checkpoint(spec_dir: Path) -> tuple[Optional[int], str]:
     """(step, '') of the newest complete checkpoint, or (None, what is wrong with the newest)."""
-    from launcher.worker import checkpoint
-
     problems = []
     for step, path in checkpoint.step_dirs(checkpoint.checkpoint_root(spec_dir)):
         problem = checkpoint.verify(path)
@@ -226,14 +224,10 @@ def latest_complete_checkpoint(spec_dir: Path) -> tuple[Optional[int], str]:
     return None, "; ".join(problems[:1]) or "none saved"
 
 
-def check_resume(config) -> None:
-    """The resumed run keeps its plan; it has a complete checkpoint short of training.max_steps."""
-    from omegaconf import OmegaConf
-
-    from launcher import cli
-
+def check_resume(config, old) -> None:
+    """The resumed run keeps its plan (`old`: that run's config, composed again from its
+    overrides); it has a complete checkpoint short of training.max_steps."""
     target = Path(config.resume)
-    old = cli.compose([str(a) for a in OmegaConf.load(target / ".hydra" / "overrides.yaml")])
     before, after = _flat(old), _flat(config)
     for key in sorted(before):
         if before[key] != after.get(key) and not _resumable(key):
@@ -251,9 +245,6 @@ def check_resume(config) -> None:
 
 def resume_run(config, quiet: bool = False) -> int:
     """Start the previous run again from its latest checkpoint; new files get a -resume-N name."""
-    from launcher import launch
-    from launcher.runspec import RunSpec
-
     spec_dir = latest_attempt(Path(config.resume))
     num = len(list(spec_dir.glob("run-resume-*.json"))) + 1
     spec = RunSpec.load(spec_dir / "run.json")

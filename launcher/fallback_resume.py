@@ -10,14 +10,14 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from launcher.worker import checkpoint, layout
+
 CONVERTED = "resume-from-step-{step}"
 
 
 def resume_point(attempt_dirs: list[Path]) -> tuple[Optional[int], Optional[Path]]:
     """(step, directory) of the newest complete checkpoint over the attempts (newest attempt
     first; an attempt that has not saved yet continues from its own resume point)."""
-    from launcher.worker import checkpoint
-
     best: tuple[Optional[int], Optional[Path]] = (None, None)
     for attempt in attempt_dirs:
         for step, path in checkpoint.step_dirs(checkpoint.checkpoint_root(attempt)):
@@ -36,8 +36,6 @@ def resume_point(attempt_dirs: list[Path]) -> tuple[Optional[int], Optional[Path
 def continue_from(run_json: Path, source: Path, world_size: int) -> dict:
     """Point the next attempt's run.json at checkpoint `source`, converting it when its layout is
     not the next plan's and not already neutral. Returns what the fallback records."""
-    from launcher.worker import checkpoint, layout
-
     spec = json.loads(run_json.read_text())
     own = {"backend": spec["backend"], "strategy": spec["strategy"], "world_size": world_size}
     saved = layout.read_layout(source)

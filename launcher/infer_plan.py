@@ -11,6 +11,8 @@ not included (no traced allocation sequence for generate).
 from __future__ import annotations
 
 from launcher.errors import ConfigError
+from launcher import infer
+from launcher.memory import runtime
 
 GIB = 2**30
 
@@ -31,9 +33,6 @@ def check(config, spec) -> list[str]:
 
 def infer_plan(config, spec) -> dict:
     """The serving estimate of `spec` under `config.inference` on `config.hardware`, as JSON data."""
-    from launcher import infer
-    from launcher.memory import runtime
-
     problems = check(config, spec)
     if problems:
         raise ConfigError(*problems)

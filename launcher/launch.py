@@ -13,7 +13,12 @@ from pathlib import Path
 from launcher.config import LauncherConfig
 from launcher.model import ModelSpec
 from launcher.runspec import RunSpec
+from launcher.shell import shell_word  # quotes, but keeps ${MASTER_ADDR}/${RUN_ID} expandable
 from launcher.types import Candidate, Plan
+from launcher.emit import emit
+from launcher.planner import backend_knobs
+from launcher.recipes import installed_versions # provenance of measured numbers (recipe_from=)
+from launcher.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -25,8 +30,6 @@ class Job:
 
     @property
     def command_line(self) -> str:
-        from launcher.slurm import shell_word  # quotes, but keeps ${MASTER_ADDR}/${RUN_ID} expandable
-
         return " ".join(shell_word(a) for a in self.argv)
 
 
@@ -82,14 +85,11 @@ def job_env(config: LauncherConfig) -> dict:
 
 def prepare(plan: Plan, config: LauncherConfig, spec: ModelSpec, run_dir: Path) -> Job:
     """Write run.json, the emitted framework config and launch_command.sh; return the Job."""
-    from launcher.emit import emit
-
     c = plan.candidates[plan.chosen]
     dp = config.gpus // (c.strategy.tp_size * c.strategy.pp_size)
-    filename, framework = emit(c.strategy, training=config.training, deepspeed=config.deepspeed, ddp=config.ddp,
+    filename, framework = emit(c.strategy, training=config.training, knobs=backend_knobs(config),
                                micro_batch_size=c.micro_batch_size, grad_accum_steps=c.grad_accum_steps, dp_size=dp,
-                               colossalai=config.colossalai, device=config.hardware.device,
-                               vocab_size=spec.vocab_size)
+                               device=config.hardware.device, vocab_size=spec.vocab_size)
     (run_dir / filename).write_text(json.dumps(framework, indent=2, sort_keys=True) + "\n")
     run_json = run_dir / "run.json"
     run_spec(c, config, spec, run_dir, framework).save(run_json)
@@ -101,7 +101,6 @@ def prepare(plan: Plan, config: LauncherConfig, spec: ModelSpec, run_dir: Path) 
     path = run_dir / "launch_command.sh"
     path.write_text("\n".join(script))
     path.chmod(0o755)
-    from launcher.recipes import installed_versions  # provenance of measured numbers (recipe_from=)
 
     (run_dir / "versions.json").write_text(json.dumps(installed_versions(), indent=2, sort_keys=True) + "\n")
     return job
@@ -110,8 +109,6 @@ def prepare(plan: Plan, config: LauncherConfig, spec: ModelSpec, run_dir: Path) 
 def check(job: Job) -> None:
     """Validate run.json in one process (model, tokenizer, dataset, framework config) before
     torchrun starts, so a bad input is one line, not a failure on every rank."""
-    from launcher.errors import ConfigError
-
     run_json = job.argv[-1]
     proc = subprocess.run([sys.executable, "-m", "launcher.worker", "--check", run_json],
                           env={**os.environ, **job.env, "WORLD_SIZE": str(job.world_size)},

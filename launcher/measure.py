@@ -22,22 +22,15 @@ from pathlib import Path
 
 from launcher.config import LauncherConfig
 from launcher.runspec import RunSpec
+from launcher.errors import ConfigError
+from launcher.launch import torchrun_argv
+from launcher.worker.metrics import error_percent
 
 MIB = 2**20
 
 
-def error_percent(estimated: float, measured: float):
-    """(estimated - measured) / measured in percent; positive = over-estimate; None if unmeasured."""
-    if not measured or estimated is None:
-        return None
-    return 100.0 * (estimated - measured) / measured
-
-
 def run_pass(job, config: LauncherConfig, name: str, *, steps: int, measure_memory: bool) -> Path:
     """Run the worker in RUN_DIR/<name> with this many steps; return that directory."""
-    from launcher.errors import ConfigError
-    from launcher.launch import torchrun_argv
-
     base = RunSpec.load(job.run_dir / "run.json")
     sub = job.run_dir / name
     sub.mkdir(exist_ok=True)

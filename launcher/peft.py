@@ -21,7 +21,9 @@ import contextlib
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from launcher.backends.registry import backend_of
 from launcher.errors import ConfigError
+from launcher import quant
 
 QUANT_BLOCKSIZE = 64  # bitsandbytes Params4bit default blocksize (bitsandbytes/nn/modules.py)
 
@@ -29,7 +31,6 @@ QUANT_BLOCKSIZE = 64  # bitsandbytes Params4bit default blocksize (bitsandbytes/
 @dataclass(frozen=True)
 class LoraSettings:
     """What `peft.LoraConfig` and the 4-bit base need; `quant_type` None means plain LoRA."""
-
     r: int = 8
     alpha: int = 16
     dropout: float = 0.05
@@ -255,8 +256,6 @@ def qlora_stand_in(linears) -> list:
 def four_bit_storage_bytes(numel: int, settings: LoraSettings, num_matrices: int = 1) -> int:
     """Bytes of a 4-bit weight with its constants (launcher/quant.py, bitsandbytes layout);
     `num_matrices`: a 3D expert parameter holds that many matrices, each quantized on its own."""
-    from launcher import quant
-
     return num_matrices * quant.four_bit_weight_bytes(numel // num_matrices, QUANT_BLOCKSIZE, settings.double_quant,
                                                       quant_type=settings.quant_type)["total_bytes"]
 
@@ -267,10 +266,16 @@ def four_bit_storage_bytes(numel: int, settings: LoraSettings, num_matrices: int
 class TrainingVariant:
     """What a candidate trains and how: full fine-tuning or adapters, with or without gradient
     checkpointing. The planner multiplies strategies by these (`training_variants`)."""
-
     trains: str  # 'full' | 'adapters'
     lora: Optional[LoraSettings]
     gradient_checkpointing: bool
+
+    @property
+    def peft(self) -> str:
+        """The capability-table name of what it trains: none | lora | qlora."""
+        if self.lora is None:
+            return "none"
+        return "lora" if self.lora.quant_type is None else "qlora"
 
     @property
     def label(self) -> str:
@@ -309,19 +314,9 @@ def training_variants(config, device: str) -> list[TrainingVariant]:
 
 
 def variant_problem(variant: TrainingVariant, strategy, device: str) -> str:
-    """Why this strategy cannot train this variant here, or ''."""
-    lora = variant.lora
-    if lora is None:
-        return ""
-    if strategy.backend == "colossalai":
-        return "LoRA with ColossalAI plugins is not modelled; use ddp or DeepSpeed zero0-2"
-    if lora.quant_type is not None:
-        if device != "cuda":
-            return ("QLoRA needs GPU quantized kernels (bitsandbytes, auto-gptq); hardware=cpu has none "
-                    "(use peft=lora)")
-        if strategy.backend != "ddp":
-            return "QLoRA's 4-bit base runs with torch DDP only (DeepSpeed casts the whole module)"
-    return ""
+    """Why this strategy cannot train this variant here, or '' (its backend's capability table,
+    launcher/backends/<name>/rules.py)."""
+    return backend_of(strategy).rules(strategy).peft_problem(strategy.name, variant.peft, device)
 
 
 def trace_fields(lora: Optional[LoraSettings], backend: str, request: dict) -> dict:

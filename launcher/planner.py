@@ -6,35 +6,25 @@ step under fake tensors) is memoised per trace key inside launcher.trace.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
+from launcher import host_time, speed, trace
+from launcher.backends import registry
+from launcher.backends.base import Ask
+from launcher.backends.colossalai.emit import num_microbatches
+from launcher.backends.registry import backend_of
 from launcher.config import LauncherConfig
+from launcher.environment import Env, detect
 from launcher.errors import ConfigError
-from launcher.model import ModelSpec
+from launcher.margin import confidence_note
+from launcher.memory import estimate as memory_model
+from launcher.memory.runtime import flash_attention_backward_bytes
+from launcher.model import ModelSpec, effective_attention
+from launcher.peft import TrainingVariant, trace_fields, training_variants
+from launcher.tp_shard import degree_problem
 from launcher.types import Candidate, Cluster, Plan, Strategy, Workload
 
-# The catalogue of strategies this planner enumerates (name -> layout).
-STRATEGIES: dict[str, Strategy] = {
-    # one process, no data-parallel wrapper: torch as the model and optimizer run (gpus=1)
-    "single": Strategy("single", "ddp"),
-    "ddp": Strategy("ddp", "ddp"),
-    "zero0": Strategy("zero0", "deepspeed", zero_stage=0),
-    "zero1": Strategy("zero1", "deepspeed", zero_stage=1),
-    "zero2": Strategy("zero2", "deepspeed", zero_stage=2),
-    "zero3": Strategy("zero3", "deepspeed", zero_stage=3),
-    "zero2_offload": Strategy("zero2_offload", "deepspeed", zero_stage=2, offload_optimizer=True),
-    "zero3_offload": Strategy("zero3_offload", "deepspeed", zero_stage=3, offload_optimizer=True,
-                              offload_params=True),
-    # ColossalAI plugins (launcher/backends/colossalai/emit.py); cai_tp / cai_pp sizes come from
-    # `colossalai_layouts` (these entries are their templates)
-    "cai_ddp": Strategy("cai_ddp", "colossalai"),
-    "cai_zero1": Strategy("cai_zero1", "colossalai", zero_stage=1),
-    "cai_zero2": Strategy("cai_zero2", "colossalai", zero_stage=2),
-    "cai_gemini": Strategy("cai_gemini", "colossalai", zero_stage=3),
-    "cai_tp": Strategy("cai_tp", "colossalai", tp_size=2),
-    "cai_pp": Strategy("cai_pp", "colossalai", pp_size=2),
-}
+STRATEGIES = registry.STRATEGIES  # name -> template, derived from the backend registry
 
 
 def strategies_for(config: LauncherConfig, spec: ModelSpec | None = None) -> list[Strategy]:
@@ -61,8 +51,6 @@ def tp_degrees(config: LauncherConfig, spec: ModelSpec) -> dict[int, str]:
     layer, on the intra-node link) -> why it is invalid for this model, or '' (whole attention and
     KV heads per rank: the shardformer policies assert both, launcher/tp_shard.py
     `degree_problem`)."""
-    from launcher.tp_shard import degree_problem
-
     per_node = config.gpus // max(1, config.nodes)
     return {t: degree_problem(spec.model_type, spec.num_attention_heads, spec.num_key_value_heads, t)
             for t in divisors(per_node) if t > 1}
@@ -82,11 +70,9 @@ def colossalai_layouts(template: Strategy, config: LauncherConfig, spec: ModelSp
     """cai_tp: every valid tp_size (or the given one) with colossalai.zero_stage on the DP
     dimension; cai_pp: every valid pp_size (or the given one) x (tp 1 or a valid tp_size), so
     DP x TP x PP combinations are all candidates. Explicit sizes that are invalid are a ConfigError."""
-    from launcher.trace import tp_traceable
-
     cai = config.colossalai
     tps, pps = tp_sizes(config, spec), pp_sizes(config, spec)
-    if not tp_traceable(spec.model_type):  # no config shard and no sharding rule (trace.py, tp_shard.py)
+    if not trace.tp_traceable(spec.model_type):  # no config shard and no sharding rule (trace.py, tp_shard.py)
         if cai.tp_size not in (None, 1) or config.strategy.name == "cai_tp":
             raise ConfigError(f"strategy={template.name}: no tensor-parallel sharding rule for model type "
                               f"{spec.model_type} yet; use colossalai.tp_size=1 with cai_pp, or another strategy")
@@ -138,7 +124,6 @@ def grad_accum(config: LauncherConfig, micro: int, dp: int) -> int:
 
 
 def workload(config: LauncherConfig, spec: ModelSpec, micro: int) -> Workload:
-    from launcher.model import effective_attention
 
     t = config.training
     return Workload(seq_len=t.seq_len, micro_batch_size=micro, precision=t.precision.name,
@@ -146,30 +131,22 @@ def workload(config: LauncherConfig, spec: ModelSpec, micro: int) -> Workload:
                     attn_implementation=effective_attention(spec, t.attn_implementation.name)[0])
 
 
-def unsupported(strategy: Strategy, config: LauncherConfig, cluster: Cluster, spec: ModelSpec | None = None) -> str:
-    """Why this strategy cannot be a candidate here, or ''."""
-    from launcher.trace import tp_traceable
+def ask(config: LauncherConfig, cluster: Cluster, env: Env, peft: str = "none") -> Ask:
+    """What this run asks of a strategy's capability table."""
+    return Ask(config.training.precision.name, config.training.optimizer.name, peft, cluster.device,
+               cluster.num_gpus, env.installed)
 
-    if strategy.tp_size > 1 and spec is not None and not tp_traceable(spec.model_type):
+
+def unsupported(strategy: Strategy, config: LauncherConfig, cluster: Cluster, spec: ModelSpec | None = None,
+                env: Env | None = None, peft: str = "none") -> str:
+    """Why this strategy cannot be a candidate here, or '': no sharding rule for its TP degree, or
+    its backend's capability table (launcher/backends/<name>/rules.py, the one the worker checks)."""
+    if strategy.tp_size > 1 and spec is not None and not trace.tp_traceable(spec.model_type):
         return f"no tensor-parallel sharding rule for model type {spec.model_type} yet (launcher/tp_shard.py)"
-    from launcher.memory import deepspeed_support_problem
-
-    if strategy.name == "single" and cluster.num_gpus > 1:
-        return (f"one process without a data-parallel wrapper; gpus={cluster.num_gpus} needs ddp or "
-                "another data-parallel strategy")
-    if cluster.device == "cpu" and (strategy.offload_optimizer or strategy.offload_params):
-        return "offload moves states to host memory, which on CPU processes is the same memory"
-    if strategy.backend == "deepspeed":
-        return deepspeed_support_problem(strategy, config.training.precision.name, cluster.device)
-    if strategy.backend == "colossalai":
-        return colossalai_support_problem(strategy, config, cluster)
-    return ""
+    return backend_of(strategy).refusal(strategy, ask(config, cluster, env or detect(), peft))
 
 
-COLOSSALAI_CPU_COMPAT_ENV = "LAUNCHER_COLOSSALAI_TEST_PRELOAD"  # launcher/backends/colossalai/worker.py
-
-
-def launch_problem(strategy: Strategy, spec: ModelSpec, peft: dict | None = None) -> str:
+def launch_problem(strategy: Strategy, spec: ModelSpec, peft: dict | None = None, env: Env | None = None) -> str:
     """Why a candidate that fits cannot be launched with the installed libraries, or ''. QLoRA of a
     mixture of experts whose experts are 3D parameters: the estimate quantizes them per expert
     (launcher/peft.py `expert_parameters`), the worker's bitsandbytes conversion covers nn.Linear only. It stays in
@@ -189,9 +166,7 @@ def launch_problem(strategy: Strategy, spec: ModelSpec, peft: dict | None = None
     if spec.vocab_size % strategy.tp_size:
         return (f"tp_size={strategy.tp_size} does not divide the vocabulary ({spec.vocab_size}): ColossalAI pads it and "
                 "cannot checkpoint the padded layers' optimizer state: estimate only")
-    from importlib.metadata import version
-
-    installed = version("transformers")
+    installed = (env or detect()).versions.get("transformers", "0")
     if int(installed.split(".")[0]) < 5:
         return ""
     if strategy.pp_size > 1:
@@ -203,46 +178,16 @@ def launch_problem(strategy: Strategy, spec: ModelSpec, peft: dict | None = None
     return ""
 
 
-def colossalai_support_problem(strategy: Strategy, config: LauncherConfig, cluster: Cluster) -> str:
-    """Why a ColossalAI strategy cannot run here, or ''."""
-    import importlib.util
-
-    from launcher.backends.colossalai.emit import plugin_precision
-
-    if importlib.util.find_spec("colossalai") is None:
-        return "ColossalAI is not installed (optional: scripts/setup installs it unless LAUNCHER_SKIP_COLOSSALAI=1)"
-    precision = config.training.precision.name
-    if strategy.name != "cai_ddp":
-        try:
-            plugin_precision(strategy, precision)
-        except ConfigError as err:
-            return str(err)
-    if cluster.device == "cpu" and not os.environ.get(COLOSSALAI_CPU_COMPAT_ENV):
-        return ("ColossalAI's CPU accelerator leaves RNG, stream and memory-statistics methods unimplemented; "
-                f"on CPU it runs only under the test compatibility layer ({COLOSSALAI_CPU_COMPAT_ENV})")
-    if cluster.device == "cpu" and strategy.name in ("cai_gemini", "cai_pp"):
-        return ("GeminiPlugin has no CPU path (fp32 unsupported, bf16 chunk handling fails)"
-                if strategy.name == "cai_gemini" else "the 1F1B pipeline schedule is not validated on CPU processes")
-    if strategy.name in ("cai_tp", "cai_pp") and config.gpus < 2:
-        return "tensor/pipeline parallelism needs gpus >= 2"
-    return ""
-
-
 def traced(config: LauncherConfig, spec: ModelSpec, strategy: Strategy, wl: Workload, lora=None):
     """The TraceSet this strategy's memory model needs (memoised and cached on disk by trace);
     `lora` (launcher.peft.LoraSettings): trace the peft model that trains adapters."""
-    from launcher import trace
-
     key = trace_key(spec, strategy, wl, lora)
     return trace.trace_set(key, spec.num_layers, cache_dir=config.cache_dir)
 
 
 def trace_key(spec: ModelSpec, strategy: Strategy, wl: Workload, lora=None):
     """The `TraceKey` of the step this strategy's memory model needs."""
-    from launcher import memory, trace
-    from launcher.peft import trace_fields
-
-    request = memory.trace_request(strategy, wl)
+    request = memory_model.trace_request(strategy, wl)
     request.update(trace_fields(lora, strategy.backend, request))
     return trace.TraceKey(hf_config_json=trace.canonical_config_json(spec.hf_config),
                           num_layers=spec.num_layers, micro_batch_size=wl.micro_batch_size,
@@ -262,14 +207,15 @@ def model_numbers(traces) -> dict:
             "num_trainable_params": round(traces.at_depth(lambda t: count(t, True)))}
 
 
+def backend_knobs(config: LauncherConfig) -> dict:
+    """Config group name -> its dataclass, for every group a registered backend reads."""
+    return {name: getattr(config, name) for b in registry.REGISTRY.values() for name in b.knobs}
+
+
 def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy: Strategy,
              micro: int, variant=None) -> tuple[Candidate, dict]:
     """Estimate one candidate's memory and speed from the traced step; `variant`
     (launcher.peft.TrainingVariant): what it trains (default: what the config asks)."""
-    from launcher import memory, speed
-    from launcher.peft import TrainingVariant
-    from launcher.trace import trace_notes
-
     dp = cluster.num_gpus // (strategy.tp_size * strategy.pp_size)
     variant = variant or TrainingVariant("full", None, config.training.gradient_checkpointing)
     wl = replace(workload(config, spec, micro), gradient_checkpointing=variant.gradient_checkpointing)
@@ -277,7 +223,6 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
     numbers = model_numbers(traces)
     accum = grad_accum(config, micro, dp)
     if strategy.pp_size > 1:  # the step's micro-batches are the 1F1B micro-batches
-        from launcher.backends.colossalai.emit import num_microbatches
 
         m = num_microbatches(config.colossalai, strategy.pp_size)
         if config.training.global_batch_size is None:
@@ -285,15 +230,14 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
         elif accum % m:
             raise ConfigError(f"strategy=cai_pp: gradient accumulation {accum} is not a multiple of "
                               f"colossalai.num_microbatches={m}; change training.global_batch_size")
-    mem = memory.estimate_memory(traces, strategy, wl, cluster, config.deepspeed, config.ddp, dp,
-                                 cai=config.colossalai, attention_workspace_bytes=attention_workspace(spec, strategy, wl))
-    mem = replace(mem, notes=tuple(mem.notes) + trace_notes(trace_key(spec, strategy, wl, variant.lora)))
+    knobs = backend_knobs(config)
+    mem = memory_model.estimate(traces, strategy, wl, cluster, knobs, dp, attention_workspace(spec, strategy, wl))
+    mem = replace(mem, notes=tuple(mem.notes) + trace.trace_notes(trace_key(spec, strategy, wl, variant.lora)))
     flops = {k: traces.at_depth(lambda t, k=k: t.flops.get(k, 0.0))
              for k in ("forward", "backward", "attention_forward", "attention_backward")}
     spd = speed.estimate_speed(flops, strategy, wl, cluster, num_params=numbers["num_params"],
                                num_trainable_params=numbers["num_trainable_params"], grad_accum_steps=accum,
-                               dp_size=dp, ds=config.deepspeed, ddp=config.ddp, cai=config.colossalai,
-                               spec=spec, counts=step_counts(traces, config))
+                               dp_size=dp, knobs=knobs, spec=spec, counts=step_counts(traces, config))
     usable = int(cluster.memory_bytes * (1 - config.planner.safety_margin))
     fits_device = mem.device_total_bytes <= usable
     host_need = mem.host_bytes * cluster.gpus_per_node
@@ -315,8 +259,6 @@ def attention_workspace(spec: ModelSpec, strategy: Strategy, wl: Workload) -> in
     """FlashAttention-2's backward workspace of one layer on a GPU (memory/runtime.py
     `flash_attention_backward_bytes`) for 16-bit flash_attention_2 and sdpa (whose flash backend
     serves 16-bit causal attention without a mask); 0 for eager and fp32 attention."""
-    from launcher.memory.runtime import flash_attention_backward_bytes
-
     if wl.attn_implementation not in ("sdpa", "flash_attention_2") or wl.precision == "32-true":
         return 0
     tp = strategy.tp_size
@@ -327,9 +269,7 @@ def attention_workspace(spec: ModelSpec, strategy: Strategy, wl: Workload) -> in
 
 def step_counts(traces, config: LauncherConfig):
     """Op counts and bytes of the traced step for the host-time terms (launcher/host_time.py)."""
-    from launcher.host_time import step_counts as counts
-
-    return counts(traces, config.deepspeed.stage3_param_persistence_threshold)
+    return host_time.step_counts(traces, config.deepspeed.stage3_param_persistence_threshold)
 
 
 def largest_term(breakdown: dict) -> str:
@@ -338,32 +278,30 @@ def largest_term(breakdown: dict) -> str:
     return f"{name} {gib(breakdown.get(name, 0))}"
 
 
-def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster) -> Plan:
+def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env | None = None) -> Plan:
     """All candidates; per strategy (and training variant: full or adapters, gradient checkpointing,
     launcher.peft.training_variants) the micro-batch search stops at the first one that does not fit.
     Candidates that train what was asked (full fine-tuning unless a peft method is chosen) rank
     before those that would train something else, whatever their speed."""
-    from launcher.peft import training_variants, variant_problem
-
+    env = env or detect()
     candidates: list[Candidate] = []
     notes: list[str] = []
     numbers: dict = {}
     variants = training_variants(config, cluster.device)
     pairs = [(s, v) for v in variants for s in strategies_for(config, spec)]
     if config.strategy.name in ("auto", "cai_tp"):  # an invalid degree is a line, not a missing row
-        from launcher.trace import tp_traceable
 
         notes += [f"cai_tp tp={t} not planned: {why}" for t, why in tp_degrees(config, spec).items() if why]
-        if not tp_traceable(spec.model_type) and tp_sizes(config, spec):
+        if not trace.tp_traceable(spec.model_type) and tp_sizes(config, spec):
             notes.append(f"cai_tp not planned: no tensor-parallel sharding rule for model type {spec.model_type} "
                          "yet (launcher/tp_shard.py)")
     for strategy, variant in pairs:
-        why = (unsupported(strategy, config, cluster, spec) or variant_problem(variant, strategy, cluster.device))
+        why = unsupported(strategy, config, cluster, spec, env, peft=variant.peft)
         if why:
             if config.strategy.name != "auto":
-                raise ConfigError(f"strategy={strategy.name}: {why}")
+                raise ConfigError(why if why.startswith(f"strategy={strategy.name} ") else f"strategy={strategy.name}: {why}")
             notes.append(f"{strategy.name}{'' if len(variants) == 1 else ' (' + variant.label + ')'} "
-                         f"not planned: {why}")
+                         f"not planned: {why.removeprefix(f'strategy={strategy.name} ')}")
             continue
         dp = cluster.num_gpus // (strategy.tp_size * strategy.pp_size)
         micros = micro_batch_sizes(config, dp)
@@ -378,18 +316,16 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster) -> Plan:
     asked = variants[0].trains
     ranked = sorted(candidates, key=lambda c: (not c.fits, c.trains != asked, -c.speed.tokens_per_s,
                                                c.memory.device_total_bytes))
-    chosen = next((i for i, c in enumerate(ranked) if c.fits and not launch_problem(c.strategy, spec, c.peft)), None)
-    ranked = [explain_loss(c, ranked[chosen] if chosen is not None else None, spec) if i != chosen else c
+    chosen = next((i for i, c in enumerate(ranked) if c.fits and not launch_problem(c.strategy, spec, c.peft, env)), None)
+    ranked = [explain_loss(c, ranked[chosen] if chosen is not None else None, spec, env) if i != chosen else c
               for i, c in enumerate(ranked)]
     notes += plan_notes(config, cluster, chosen, any(c.fits for c in ranked))
-    from launcher.model import effective_attention
 
     attn_note = effective_attention(spec, config.training.attn_implementation.name)[1]
     notes += [attn_note] if attn_note else []
     if chosen is not None:  # the trainable count of what the chosen candidate trains
         numbers = {**numbers, "num_trainable_params": ranked[chosen].num_trainable_params}
         if cluster.device == "cuda":  # how sure its "fits" is (launcher/margin.py)
-            from launcher.margin import confidence_note
 
             sure = confidence_note(ranked[chosen].memory.device_total_bytes, cluster.memory_bytes)
             notes += [f"chosen candidate's {sure}"] if sure else []
@@ -403,11 +339,11 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster) -> Plan:
                 candidates=tuple(ranked), chosen=chosen, notes=tuple(notes))
 
 
-def explain_loss(c: Candidate, best: Candidate | None, spec: ModelSpec) -> Candidate:
+def explain_loss(c: Candidate, best: Candidate | None, spec: ModelSpec, env: Env | None = None) -> Candidate:
     """Say why a fitting candidate lost against the chosen one."""
     if not c.fits:
         return c
-    why = launch_problem(c.strategy, spec, c.peft)
+    why = launch_problem(c.strategy, spec, c.peft, env)
     if why:
         return replace(c, reason=f"fits; not launchable: {why}")
     if best is None:

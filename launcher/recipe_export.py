@@ -13,8 +13,11 @@ import datetime
 import json
 from pathlib import Path
 
+from launcher.catalogue import CONF_DIR, group_options
+from launcher.config import register_schema
 from launcher.errors import ConfigError
 from launcher.recipes import COMMAND_KEYS, HEADER, RECIPE_DIR, estimate_entry, gib, installed_versions, load_recipe
+from launcher.fallback import latest_attempt
 
 EXPORT_KEYS = ("recipe_from", "recipe_name", "recipe_dir")
 SKIPPED = (*COMMAND_KEYS, "launch", "model.trust_remote_code", "strategy", "training.micro_batch_size")
@@ -44,9 +47,7 @@ def changed_values(run_dir: Path, choices: dict) -> dict:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    import launcher.config  # noqa: F401  (registers the schema)
-    from launcher.cli import CONF_DIR
-
+    register_schema()
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         base = compose("config", overrides=[f"{g}={c}" for g, c in choices.items()])
     before = _flat(OmegaConf.to_container(base, resolve=False, enum_to_str=True))
@@ -87,9 +88,6 @@ def provenance(run_dir: Path, spec_dir: Path) -> dict:
 def export(run_dir: Path, name: str | None = None, recipe_dir: Path = RECIPE_DIR) -> Path:
     """Write RUN_DIR as recipe_dir/NAME.yaml; return its path. Never overwrites."""
     from omegaconf import OmegaConf
-
-    from launcher.cli import group_options
-    from launcher.fallback import latest_attempt
 
     run_dir = run_dir.expanduser().resolve()
     if not (run_dir / ".hydra" / "config.yaml").is_file() or not (run_dir / "plan.json").is_file():

@@ -24,7 +24,9 @@ import sys
 import typing
 from pathlib import Path
 
+from launcher.catalogue import did_you_mean, group_options
 from launcher.errors import ConfigError
+from launcher.config import LauncherConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECIPE_DIR = REPO_ROOT / "recipes"
@@ -77,8 +79,6 @@ def _walk(path: Path, node, key: str, schema) -> None:
             if k == "trust_remote_code" and v is not False:
                 raise _fail(path, full, "only the command line may enable it (model.trust_remote_code=true)")
             if fields is not None and k not in fields:
-                from launcher.cli import did_you_mean
-
                 raise _fail(path, full, f"not a launcher key{did_you_mean(k, sorted(fields), key + '.' if key else '')}")
             _walk(path, v, full, fields[k] if fields is not None else None)
     elif isinstance(node, list):
@@ -91,8 +91,6 @@ def _walk(path: Path, node, key: str, schema) -> None:
 
 
 def _check_defaults(path: Path, defaults) -> None:
-    from launcher.cli import group_options
-
     if not isinstance(defaults, list):
         raise _fail(path, "defaults", "must be a list of `- override /GROUP: OPTION`")
     for i, entry in enumerate(defaults):
@@ -118,7 +116,6 @@ def check_provenance(path: Path, prov) -> None:
 
 def load_recipe(path: Path) -> dict:
     """Parse and check one recipe file; return its content (provenance included)."""
-    from launcher.config import LauncherConfig
     from omegaconf import OmegaConf
 
     text = path.read_text()
@@ -161,8 +158,6 @@ def recipe_path(value: str) -> Path:
         path = RECIPE_DIR / f"{value}.yaml"
     if not path.is_file():
         names = shipped()
-        from launcher.cli import did_you_mean
-
         raise ConfigError(f"recipe={value}: no such recipe{did_you_mean(value, names)}; shipped recipes: "
                           f"{', '.join(names)} (or give a recipe file, recipe=PATH.yaml)")
     return path

@@ -7,6 +7,7 @@ import textwrap
 from dataclasses import asdict
 from pathlib import Path
 
+from launcher.shell import shell_word
 from launcher.types import Candidate, Plan
 
 BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_states", "activations", "buffers", "runtime")
@@ -83,8 +84,6 @@ def wrapped(text: str) -> str:
 
 def shell_block(argv) -> str:
     """A command folded to line_width() with shell line continuations: it still pastes as one."""
-    from launcher.slurm import shell_word
-
     lines, line = [], ""
     for word in (shell_word(a) for a in argv):
         if line and len(line) + len(word) + 3 > line_width():
@@ -93,13 +92,6 @@ def shell_block(argv) -> str:
         else:
             line = f"{line} {word}" if line else word
     return "\n".join([*lines, line])
-
-
-def print_plan(plan: Plan, capacity_bytes: int, device: str = "cuda", wide: bool = False, console=None) -> None:
-    """The plan as a terminal table (launcher/report_table.py)."""
-    from launcher.report_table import print_plan as print_table
-
-    print_table(plan, capacity_bytes, device=device, wide=wide, console=console)
 
 
 def print_summary(run_dir: Path) -> None:

@@ -30,9 +30,11 @@ import sys
 import time
 from pathlib import Path
 
+from launcher.shell import resolve, shell_word
 from launcher.config import LauncherConfig
+from launcher.slurm_job import FallbackTask
+from launcher import launch
 
-PLACEHOLDERS = ("MASTER_ADDR", "RUN_ID")
 """Variables of the torchrun argv (launcher/launch.py torchrun_argv) that only the job knows."""
 SAFE_VALUE = re.compile(r"[A-Za-z0-9_.,:@+\-]+")
 """Characters allowed in a value written into an `#SBATCH` line (sbatch parses those lines
@@ -92,20 +94,6 @@ def job_name(config: LauncherConfig) -> str:
 
 
 # ---- the standalone sbatch script ----------------------------------------------------------
-
-def shell_word(arg: str) -> str:
-    """`arg` as one shell word: literal text quoted with shlex.quote, except the job-time
-    placeholders ${MASTER_ADDR} and ${RUN_ID}, which stay expandable inside double quotes."""
-    pattern = r"(\$\{(?:" + "|".join(PLACEHOLDERS) + r")\})"
-    parts = re.split(pattern, arg)
-    if len(parts) == 1:
-        return shlex.quote(arg)
-    literal = [p for i, p in enumerate(parts) if i % 2 == 0]
-    if not any(re.search(r'["$`\\!]', p) for p in literal) and all(
-            shlex.quote(p) == p for p in literal if p):
-        return f'"{arg}"'
-    return "".join(f'"{p}"' if i % 2 else (shlex.quote(p) if p else "") for i, p in enumerate(parts))
-
 
 def sbatch_options(config: LauncherConfig, run_dir: Path) -> list[str]:
     """The #SBATCH options of the job (sbatch(1) of Slurm 22.05)."""
@@ -169,12 +157,6 @@ def write_sbatch_script(config: LauncherConfig, job, description: str) -> Path:
 
 # ---- submission with submitit --------------------------------------------------------------
 
-def resolve(arg: str, values: dict) -> str:
-    for name, value in values.items():
-        arg = arg.replace("${" + name + "}", value)
-    return arg
-
-
 def run_node(argv: list[str], env: dict) -> int:
     """Body of each Slurm task (one per node): torchrun with the rendezvous on the first node.
     Raises when torchrun fails, so that submitit and sacct record the task as failed."""
@@ -202,7 +184,6 @@ def submit(config: LauncherConfig, job, plan=None, spec=None):
     executor.update_parameters(**{k: v for k, v in params.items() if v is not None})
     if plan is None:
         return executor.submit(run_node, list(job.argv), task_env(config, job.env))
-    from launcher.slurm_job import FallbackTask
 
     return executor.submit(FallbackTask(plan, config, spec, job, task_env(config, job.env)))
 
@@ -267,8 +248,6 @@ def interrupted(sjob) -> int:
 
 def run(config: LauncherConfig, job, quiet: bool = False, plan=None, spec=None) -> int:
     """Check the inputs here, submit, wait (bounded) and report; 0 when the job COMPLETED."""
-    from launcher import launch
-
     launch.check(job)
     sjob = submit(config, job, plan, spec)
     log = job.run_dir / "slurm" / f"{sjob.job_id}_0_log.out"

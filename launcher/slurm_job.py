@@ -24,6 +24,11 @@ from pathlib import Path
 
 import submitit
 
+from launcher import fallback, launch
+from launcher.runspec import RunSpec
+from launcher.shell import resolve
+from launcher.worker import checkpoint, stop
+
 STOP_WAIT_S = 60.0
 """Longest `checkpoint()` waits for the ranks to write their checkpoint and exit."""
 
@@ -58,8 +63,6 @@ class FallbackTask(submitit.helpers.Checkpointable):
         return {**self.__dict__, "_proc": None}
 
     def __call__(self) -> str:
-        from launcher import fallback
-
         job = self._continue_job() if self.requeues else self.job
         plan = dataclasses.replace(self.plan, chosen=self.index)
         rc, final = fallback.run_with_fallback(plan, self.config, self.spec, job, execute=self._execute,
@@ -74,9 +77,6 @@ class FallbackTask(submitit.helpers.Checkpointable):
         return {"MASTER_ADDR": hosts[0], "RUN_ID": os.environ["SLURM_JOB_ID"]}
 
     def _execute(self, job, index: int) -> int:
-        from launcher.slurm import resolve
-        from launcher.worker import stop
-
         self.job, self.index = job, index
         values = self._values()
         env = {**os.environ, **self.env, **values, stop.STOP_ON_SIGTERM_ENV: "1"}
@@ -112,10 +112,6 @@ class FallbackTask(submitit.helpers.Checkpointable):
     def _continue_job(self):
         """The current attempt again, from its newest complete checkpoint (or from where it was
         started when it has saved none)."""
-        from launcher import launch
-        from launcher.runspec import RunSpec
-        from launcher.worker import checkpoint, stop
-
         run_dir = Path(self.job.run_dir)
         marker = run_dir / stop.STOP_FILE
         if marker.is_file():

@@ -52,15 +52,14 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
-from launcher.config import DDPConfig, DeepSpeedConfig
+from launcher.backends.base import CommInput
+from launcher.backends.registry import backend_of
+from launcher.collectives import GB, bus_bandwidth_gbps
+from launcher.config import ColossalAIConfig, DDPConfig, DeepSpeedConfig
 from launcher.errors import ConfigError
+from launcher.host_time import host_time_s
+from launcher.precision import compute_dtype
 from launcher.types import Cluster, SpeedEstimate, Strategy, Workload
-
-GB = 1e9
-MIB = 2**20
-
-ZERO3_OVERLAP_FRACTION = 0.5
-"""Share of ZeRO-3 communication that prefetching can hide behind compute (assumption)."""
 
 HOST_ADAM_PARAMS_PER_S = 0.5e9
 """Parameters per second a node's CPUs update with torch AdamW (assumption). AdamW is
@@ -69,98 +68,6 @@ implementation about doubles that with temporaries; at ~30 GB/s of achieved host
 that is ~0.5e9 parameters/s. DeepSpeedCPUAdam (SIMD) is several times faster (ZeRO-Offload,
 arXiv:2101.06840, CPU-Adam evaluation), but the worker uses torch.optim.AdamW (see
 launcher/backends/deepspeed/emit.py)."""
-
-
-def compute_dtype(precision: str) -> str:
-    """Key of `Cluster.peak_tflops` for the matmuls of this precision (assumption 1)."""
-    if precision == "32-true":
-        return "fp32"
-    if precision.startswith("bf16"):
-        return "bf16"
-    if precision.startswith("16"):
-        return "fp16"
-    raise ConfigError(f"unknown precision {precision!r}")
-
-
-def grad_bytes_per_elem(strategy: Strategy, precision: str) -> int:
-    """Bytes per gradient element on the wire. *-true: the model dtype. Mixed under torch DDP:
-    autocast keeps fp32 parameters, so fp32 gradients (4). Mixed under DeepSpeed: the engine
-    holds a 16-bit model and communicates in it (deepspeed/runtime/engine.py
-    `communication_data_type`: fp16/bf16 when enabled)."""
-    if precision == "32-true":
-        return 4
-    if precision.endswith("-true") or strategy.backend != "ddp":
-        return 2
-    return 4
-
-
-def ring_time_s(num_bytes: float, num_ranks: int, bus_bandwidth_gbps: float, collective: str) -> float:
-    """Ring collective time: all_reduce moves 2(n-1)/n x S per rank, reduce_scatter and
-    all_gather (n-1)/n x S, at bus bandwidth busbw (nccl-tests doc/PERFORMANCE.md:
-    busbw = algbw x 2(n-1)/n for all-reduce, x (n-1)/n for reduce-scatter / all-gather)."""
-    if num_ranks <= 1 or num_bytes <= 0:
-        return 0.0
-    factor = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0}[collective]
-    return num_bytes * factor * (num_ranks - 1) / num_ranks / (bus_bandwidth_gbps * GB)
-
-
-def bus_bandwidth_gbps(cluster: Cluster) -> float:
-    """Bottleneck bus bandwidth of a data-parallel ring over the whole cluster (assumption 3)."""
-    if cluster.num_nodes <= 1:
-        return cluster.intra_node_bandwidth_gbps
-    return min(cluster.intra_node_bandwidth_gbps, cluster.inter_node_bandwidth_gbps)
-
-
-def overlapped_exposed_s(comm_s: float, compute_s: float, last_bucket_s: float) -> float:
-    """Communication left visible when it runs beside `compute_s` of compute: what does not fit,
-    and never less than the last bucket, which is only ready when compute ends
-    (arXiv:2006.15704 sec. 3.2.3)."""
-    return min(comm_s, max(comm_s - compute_s, last_bucket_s))
-
-
-def deepspeed_overlap_comm(strategy: Strategy, ds: DeepSpeedConfig) -> bool:
-    """DeepSpeed's effective overlap_comm: the configured value, else True only for stage 3
-    (deepspeed/runtime/zero/config.py `overlap_comm_valid`)."""
-    return ds.overlap_comm if ds.overlap_comm is not None else strategy.zero_stage == 3
-
-
-def _grad_reduction(strategy, ds, ddp, dp_size, bus_gbps, grad_bytes, elem_bytes, accum, backward_s):
-    """(raw, exposed) seconds of gradient reduction per optimizer step for DDP and ZeRO-0/1/2
-    (assumptions 4 and 5)."""
-    if strategy.backend == "ddp" or strategy.zero_stage == 0:
-        comm_s = ring_time_s(grad_bytes, dp_size, bus_gbps, "all_reduce")
-        num_reductions = 1
-    else:
-        comm_s = ring_time_s(grad_bytes, dp_size, bus_gbps, "reduce_scatter")
-        num_reductions = accum if strategy.zero_stage == 2 else 1
-    if strategy.backend == "ddp":
-        bucket_bytes, overlaps = ddp.bucket_cap_mb * MIB, True
-    else:
-        bucket_bytes = ds.reduce_bucket_size * elem_bytes
-        overlaps = strategy.zero_stage > 0 and deepspeed_overlap_comm(strategy, ds)
-    if not overlaps:
-        return comm_s * num_reductions, comm_s * num_reductions
-    last_s = ring_time_s(min(bucket_bytes, grad_bytes), dp_size, bus_gbps,
-                         "all_reduce" if strategy.backend == "ddp" else "reduce_scatter")
-    exposed_s = overlapped_exposed_s(comm_s, backward_s, last_s)
-    return comm_s * num_reductions, exposed_s * num_reductions
-
-
-def _zero3_comm(dp_size, bus_gbps, param_bytes, grad_bytes, accum, forward_s, backward_s,
-                overlap_comm):
-    """(raw, exposed) seconds per optimizer step for ZeRO-3: every micro-batch all-gathers the
-    parameters in forward and again in backward and reduce-scatters the gradients (ZeRO paper
-    arXiv:1910.02054 sec. 7.2.2: 3 x (n-1)/n x S, 1.5x DDP). Prefetch hides up to
-    ZERO3_OVERLAP_FRACTION of each phase's communication behind that phase's compute; the
-    reduce-scatter runs on a side stream only with overlap_comm (deepspeed/runtime/zero/stage3.py,
-    `reduce_and_partition_stream` in DeepSpeedZeroOptimizer_Stage3.__init__)."""
-    gather_s = ring_time_s(param_bytes, dp_size, bus_gbps, "all_gather")
-    scatter_s = ring_time_s(grad_bytes, dp_size, bus_gbps, "reduce_scatter")
-    hidden_backward_s = gather_s + (scatter_s if overlap_comm else 0.0)
-    exposed_s = (gather_s - min(ZERO3_OVERLAP_FRACTION * gather_s, forward_s)
-                 + gather_s + scatter_s
-                 - min(ZERO3_OVERLAP_FRACTION * hidden_backward_s, backward_s))
-    return (2 * gather_s + scatter_s) * accum, exposed_s * accum
 
 
 def offload_time_s(strategy: Strategy, cluster: Cluster, num_params: int, num_trainable_params: int,
@@ -197,17 +104,18 @@ def flop_time_s(flops: Mapping[str, float], phase: str, cluster: Cluster, dtype:
 
 def estimate_speed(flops_per_micro_batch: Mapping[str, float], strategy: Strategy, workload: Workload,
                    cluster: Cluster, *, num_params: int, grad_accum_steps: int, dp_size: int,
-                   ds: DeepSpeedConfig, ddp: Optional[DDPConfig] = None,
-                   num_trainable_params: Optional[int] = None, counts=None, cai=None,
-                   spec=None) -> SpeedEstimate:
+                   knobs: Optional[Mapping] = None, num_trainable_params: Optional[int] = None, counts=None,
+                   spec=None, ds=None, ddp=None, cai=None) -> SpeedEstimate:
     """Time of one optimizer step and cluster throughput for one candidate.
 
     compute_s = (F + B) x grad_accum / (peak_tflops[dtype] x 1e12 x matmul_efficiency), with F, B
     the forward and backward FLOPs of one micro-batch (backward includes recomputation under
     gradient checkpointing); step_s = compute_s + exposed_comm_s + offload_s;
-    tokens_per_s = micro_batch x grad_accum x dp x seq_len / step_s.
+    tokens_per_s = micro_batch x grad_accum x dp x seq_len / step_s. The backend's `comm`
+    (launcher/backends/<name>/comm.py) gives the communication and may rescale compute (pipelines).
     `num_trainable_params` (default `num_params`) sizes gradients and optimizer work (PEFT);
-    ZeRO-3 gathers all `num_params`.
+    fully sharded strategies gather all `num_params`. `knobs`: config group name -> its dataclass (`ds`, `ddp`, `cai`: the DeepSpeed, DDP and
+    ColossalAI groups one by one; defaults when absent).
 
     With `counts` (launcher/host_time.py `StepCounts` of the traced step) the host terms are
     added: on CPU processes step_s = compute_s + dispatch + activation traffic + optimizer +
@@ -215,7 +123,8 @@ def estimate_speed(flops_per_micro_batch: Mapping[str, float], strategy: Strateg
     asynchronous, so compute_s = max(FLOP time, ops x op_overhead_s) (launch-bound small
     kernels) and the rest is unchanged.
     """
-    ddp = ddp or DDPConfig()
+    knobs = {"deepspeed": ds or DeepSpeedConfig(), "ddp": ddp or DDPConfig(), "colossalai": cai or ColossalAIConfig(),
+             **(knobs or {})}
     trainable = num_params if num_trainable_params is None else num_trainable_params
     dtype = compute_dtype(workload.precision)
     if dtype not in cluster.peak_tflops:
@@ -223,31 +132,15 @@ def estimate_speed(flops_per_micro_batch: Mapping[str, float], strategy: Strateg
                           f"add hardware.peak_tflops.{dtype}=<dense TFLOP/s>")
     forward_s = flop_time_s(flops_per_micro_batch, "forward", cluster, dtype)
     backward_s = flop_time_s(flops_per_micro_batch, "backward", cluster, dtype)
-    compute_s = (forward_s + backward_s) * grad_accum_steps
-
-    elem_bytes = grad_bytes_per_elem(strategy, workload.precision)
-    grad_bytes, param_bytes = trainable * elem_bytes, num_params * elem_bytes
-    bus_gbps = bus_bandwidth_gbps(cluster)
-    if strategy.zero_stage == 3:
-        comm_s, exposed_s = _zero3_comm(dp_size, bus_gbps, param_bytes, grad_bytes, grad_accum_steps,
-                                        forward_s, backward_s, deepspeed_overlap_comm(strategy, ds))
-    else:
-        comm_s, exposed_s = _grad_reduction(strategy, ds, ddp, dp_size, bus_gbps, grad_bytes,
-                                            elem_bytes, grad_accum_steps, backward_s)
-        if strategy.backend != "ddp" and strategy.zero_stage in (1, 2):
-            gather_s = ring_time_s(trainable * elem_bytes, dp_size, bus_gbps, "all_gather")
-            comm_s, exposed_s = comm_s + gather_s, exposed_s + gather_s
-    if strategy.backend == "colossalai":  # ColossalAI plugins: colossalai_comm
-        compute_s, comm_s, exposed_s, elem_bytes = colossalai_comm(
-            strategy, workload, cluster, compute_s, forward_s, backward_s, trainable=trainable,
-            num_params=num_params, dp=dp_size, accum=grad_accum_steps, ds=ds, ddp=ddp, cai=cai, spec=spec)
+    x = CommInput(strategy, workload, cluster, (forward_s + backward_s) * grad_accum_steps, forward_s, backward_s,
+                  trainable, num_params, dp_size, grad_accum_steps, knobs, spec)
+    backend = backend_of(strategy)
+    compute_s, comm_s, exposed_s, elem_bytes = backend.comm(x)
     offload_s = offload_time_s(strategy, cluster, num_params, trainable, dp_size,
                                grad_accum_steps, elem_bytes)
     host = {}
     if counts is not None:
-        compute_s, exposed_s, host = _with_host_terms(counts, strategy, workload, cluster, compute_s, exposed_s,
-                                                      trainable=trainable, num_params=num_params, dp=dp_size,
-                                                      accum=grad_accum_steps, ds=ds, ddp=ddp, cai=cai, spec=spec)
+        compute_s, exposed_s, host = _with_host_terms(counts, x, backend, compute_s, exposed_s)
     framework_s = framework_overhead_s(cluster, strategy, counts, grad_accum_steps)
     step_s = compute_s + exposed_s + offload_s + sum(v for k, v in host.items() if k != "comm_s") + framework_s
     tokens = workload.micro_batch_size * grad_accum_steps * dp_size * workload.seq_len
@@ -255,7 +148,7 @@ def estimate_speed(flops_per_micro_batch: Mapping[str, float], strategy: Strateg
         "compute_s": compute_s, "comm_s": comm_s, "exposed_comm_s": exposed_s,
         "offload_s": offload_s, "flops": (flops_per_micro_batch["forward"]
                                           + flops_per_micro_batch["backward"]) * grad_accum_steps,
-        "compute_dtype": dtype, "bus_bandwidth_gbps": bus_gbps, "comm_bytes_per_elem": elem_bytes,
+        "compute_dtype": dtype, "bus_bandwidth_gbps": bus_bandwidth_gbps(cluster), "comm_bytes_per_elem": elem_bytes,
         **{f"host_{k}": v for k, v in host.items()},
         "framework_overhead_s": framework_s,
         "num_param_tensors": counts.num_param_tensors if counts is not None else 0.0,
@@ -274,110 +167,22 @@ def framework_overhead_s(cluster: Cluster, strategy: Strategy, counts, accum: in
     return fixed_s + per_tensor_s * tensors * accum
 
 
-def _with_host_terms(counts, strategy, workload, cluster, compute_s, exposed_s, *, trainable, num_params, dp,
-                     accum, ds, ddp, cai=None, spec=None):
-    """(compute_s, exposed comm_s, host terms) with launcher/host_time.py's terms (estimate_speed)."""
-    from launcher.host_time import host_time_s
-
-    host_strategy, ds, tp_s = strategy, ds, 0.0
-    if strategy.backend == "colossalai":
-        if strategy.name == "cai_gemini" or strategy.pp_size > 1:
-            return compute_s, exposed_s, {}  # Gemini and pipelines do not run on CPU processes
-        host_strategy, ds = colossalai_host_equivalent(strategy, cai)
-        tp_s = tp_comm_s(strategy, workload, cluster, spec, accum, 4 if workload.precision == "32-true" else 2)
-        shard = strategy.tp_size * strategy.pp_size
-        trainable, num_params = trainable // shard, num_params // shard
+def _with_host_terms(counts, x: CommInput, backend, compute_s: float, exposed_s: float):
+    """(compute_s, exposed comm_s, host terms) with launcher/host_time.py's terms (estimate_speed),
+    as the backend's `host_equivalent` strategy has them; none for a backend without one."""
+    he = backend.host_equivalent(x) if backend.host_equivalent else None
+    if he is None:
+        return compute_s, exposed_s, {}
+    workload, cluster = x.workload, x.cluster
     if cluster.device != "cpu":
-        ops = (counts.forward_ops + counts.backward_ops) * accum + counts.optimizer_ops
+        ops = (counts.forward_ops + counts.backward_ops) * x.accum + counts.optimizer_ops
         return max(compute_s, ops * cluster.op_overhead_s), exposed_s, {}
-    model_bytes = 4 if workload.precision in ("32-true",) or (
-        host_strategy.backend == "ddp" and workload.precision.endswith("-mixed")) else 2
-    master_bytes = model_bytes if host_strategy.backend == "ddp" else (2 if workload.precision == "bf16-true" else 4)
-    host = host_time_s(counts, host_strategy, workload, cluster, trainable=trainable, num_params=num_params, dp=dp,
-                       accum=accum, model_bytes=model_bytes, master_bytes=master_bytes,
-                       grad_bytes=grad_bytes_per_elem(host_strategy, workload.precision), ds=ds, ddp=ddp)
-    host["comm_s"] += tp_s
+    torch_run = he.strategy.backend == "ddp"
+    model_bytes = 4 if workload.precision == "32-true" or (torch_run and workload.precision.endswith("-mixed")) else 2
+    master_bytes = model_bytes if torch_run else (2 if workload.precision == "bf16-true" else 4)
+    grad_bytes = model_bytes if torch_run else (4 if workload.precision == "32-true" else 2)
+    host = host_time_s(counts, he.strategy, workload, cluster, trainable=x.trainable // he.shard,
+                       num_params=x.num_params // he.shard, dp=x.dp, accum=x.accum, model_bytes=model_bytes,
+                       master_bytes=master_bytes, grad_bytes=grad_bytes, ds=he.ds, ddp=x.knobs["ddp"])
+    host["comm_s"] += he.extra_comm_s
     return compute_s, host["comm_s"], host
-
-
-def colossalai_host_equivalent(strategy: Strategy, cai) -> tuple:
-    """(strategy, bucket sizes) whose host terms a ColossalAI plugin shares: TorchDDPPlugin and
-    HybridParallelPlugin's DP dimension without ZeRO are torch DDP (hybrid_parallel_plugin.py
-    wraps the shard in DDP); LowLevelZeroPlugin and the ZeRO DP dimension copy gradients into
-    `reduce_bucket_size_in_m` buckets, all-reduce (stage 1) or reduce-scatter (stage 2) them and
-    all-gather the updated partition like DeepSpeed ZeRO-1/2 (colossalai/zero/low_level/
-    low_level_optim.py `_run_reduction`, `step`: one all-gather of the whole flat partition per
-    bucket store); the strategy keeps its ColossalAI backend for launcher/host_time.py `comm_s`."""
-    from types import SimpleNamespace
-
-    from launcher.config import ColossalAIConfig
-
-    cai = cai or ColossalAIConfig()
-    if strategy.name == "cai_ddp" or strategy.zero_stage == 0:
-        return Strategy("ddp", "ddp"), None
-    bucket = int(cai.reduce_bucket_size_in_m * 1024 * 1024)
-    return (Strategy(strategy.name, "colossalai", strategy.zero_stage),
-            SimpleNamespace(reduce_bucket_size=bucket, allgather_bucket_size=bucket))
-
-
-def tp_comm_s(strategy: Strategy, workload: Workload, cluster: Cluster, spec, accum: int, elem: int) -> float:
-    """Tensor-parallel all-reduces per optimizer step: each decoder layer all-reduces b x s x hidden
-    activations twice in forward (the g operators) and twice in backward (the f operators)
-    (Megatron-LM, arXiv:1909.08053 sec. 3), on the intra-node link over tp ranks, not overlapped;
-    each call also pays `collective_latency_s`."""
-    if strategy.tp_size <= 1 or spec is None:
-        return 0.0
-    calls = 4 * spec.num_layers / strategy.pp_size * accum
-    act_bytes = workload.micro_batch_size * workload.seq_len * spec.hidden_size * elem
-    per_call = ring_time_s(act_bytes, strategy.tp_size, cluster.intra_node_bandwidth_gbps, "all_reduce")
-    return calls * (per_call + cluster.collective_latency_s)
-
-
-def colossalai_comm(strategy: Strategy, workload: Workload, cluster: Cluster, compute_s: float,
-                    forward_s: float, backward_s: float, *, trainable: int, num_params: int, dp: int,
-                    accum: int, ds: DeepSpeedConfig, ddp: DDPConfig, cai=None, spec=None):
-    """(compute_s, comm_s, exposed_s, bytes per communicated element) of a ColossalAI candidate.
-
-    - cai_ddp: torch DDP (fp32 gradients under autocast), as `_grad_reduction`.
-    - cai_zero1/2 (LowLevelZero) and the DP dimension of cai_tp/cai_pp with zero_stage 1/2:
-      gradient reduce(-scatter) plus parameter all-gather, as DeepSpeed ZeRO-1/2 (ZeRO paper
-      arXiv:1910.02054 sec. 7); overlapped with backward only with overlap_communication.
-    - cai_gemini: chunk all-gathers in forward and backward and a gradient reduce-scatter per
-      micro-batch, as ZeRO-3 (`_zero3_comm`); chunks are gathered whole, so the volume is the
-      model's.
-    - tensor parallelism (tp > 1): the traced FLOPs are already one shard's; `tp_comm_s` adds the
-      per-layer activation all-reduces. DP gradients are 1/tp.
-    - pipeline parallelism (p > 1): the micro-batches of one optimizer step (grad_accum, a
-      multiple of num_microbatches m) are the pipeline's micro-batches; the traced FLOPs cover all
-      layers, a stage runs 1/p of them, and each 1F1B flush of m micro-batches idles
-      (p-1)/(m+p-1) of its time (the bubble; GPipe arXiv:1811.06965, 1F1B arXiv:2104.04473
-      sec. 2.2): compute_s / p / (1 - bubble). Stage-to-stage activation sends are not modelled
-      (b x s x hidden per micro-batch, small next to the all-reduces)."""
-    from launcher.config import ColossalAIConfig
-
-    cai = cai or ColossalAIConfig()
-    tp, pp = strategy.tp_size, strategy.pp_size
-    elem = 4 if workload.precision == "32-true" or strategy.name == "cai_ddp" else 2
-    bus = bus_bandwidth_gbps(cluster)
-    grads, params = trainable * elem / (tp * pp), num_params * elem / (tp * pp)
-    if strategy.name == "cai_ddp":
-        comm, exposed = _grad_reduction(Strategy("ddp", "ddp"), ds, ddp, dp, bus, grads, elem, accum, backward_s)
-    elif strategy.name == "cai_gemini":
-        comm, exposed = _zero3_comm(dp, bus, params, grads, accum, forward_s, backward_s, True)
-    elif strategy.zero_stage in (1, 2):
-        comm = ring_time_s(grads, dp, bus, "reduce_scatter") * (accum if strategy.zero_stage == 2 else 1)
-        gather = ring_time_s(grads, dp, bus, "all_gather")
-        overlap = cai.overlap_communication if cai.overlap_communication is not None else cluster.device != "cpu"
-        exposed = (max(0.0, comm - backward_s * accum) if overlap else comm) + gather
-        comm += gather
-    else:
-        comm = exposed = ring_time_s(grads, dp, bus, "all_reduce")
-    tp_s = tp_comm_s(strategy, workload, cluster, spec, accum, elem)
-    comm, exposed = comm + tp_s, exposed + tp_s
-    if pp > 1:
-        from launcher.backends.colossalai.emit import num_microbatches
-
-        m = num_microbatches(cai, pp)
-        bubble = (pp - 1) / (m + pp - 1)
-        compute_s = compute_s / pp / (1 - bubble)
-    return compute_s, comm, exposed, elem

@@ -44,6 +44,11 @@ import numpy as np
 from launcher.gptq import GPTQ_BITS, gptq_stand_in
 from launcher.tp_shard import shard_model, shardable
 from launcher.steptrace import Kind, OpClass, ParamTable, Role, StepTrace, TraceSet
+from launcher.backends.colossalai.emit import vocab_multiple
+from launcher.vocab_parallel_loss import vocab_parallel_loss
+from launcher import peft as lp
+from launcher.peft import four_bit_storage_bytes
+from launcher.peft import LoraSettings
 
 OPTIMIZERS = ("adamw_foreach", "adamw_single", "adamw_fused", "sgd", "adafactor", "none")
 PARAM_DTYPES = ("float32", "bfloat16", "float16")
@@ -62,7 +67,6 @@ SGD_MOMENTUM = 0.9  # launcher/config.py: Optimizer 'sgd' = torch.optim.SGD (mom
 class TraceKey:
     """Everything that determines a traced step. `hf_config_json` is the model's config.json as a
     canonical JSON string (`canonical_config_json`); `num_layers` overrides its depth."""
-
     hf_config_json: str
     num_layers: int
     micro_batch_size: int
@@ -102,8 +106,6 @@ class TraceKey:
 
     def lora_settings(self):
         """The `launcher.peft.LoraSettings` of this key (None for full fine-tuning)."""
-        from launcher.peft import LoraSettings
-
         if self.trainable != "lora":
             return None
         return LoraSettings(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout,
@@ -143,7 +145,6 @@ def trace_notes(key: TraceKey) -> tuple[str, ...]:
 class _Recorder:
     """Storage rows and the event counter. Rows are appended on allocation; a weakref callback on
     each storage writes its free event (mem_tracker.py `_WeakRefInfo.create_winfo`)."""
-
     def __init__(self):
         self.nbytes: list[int] = []
         self.itemsize: list[int] = []  # element size of the tensor the storage was first seen with
@@ -255,8 +256,6 @@ def tp_padded_vocab(vocab_size: int, tp_size: int) -> int:
     `PaddingParallelModule`; embedding.py `VocabParallelEmbedding1D` and linear.py
     `VocabParallelLMHead1D`: `multiple = make_vocab_size_divisible_by * tp_size`), with the
     multiple the emitter writes (launcher/backends/colossalai/emit.py `vocab_multiple`)."""
-    from launcher.backends.colossalai.emit import vocab_multiple
-
     unit = vocab_multiple(vocab_size, tp_size) * tp_size
     return -(-vocab_size // unit) * unit
 
@@ -302,8 +301,6 @@ def _loss(model, ids, key: TraceKey):
     vocabulary-parallel loss on its logits slice (launcher/vocab_parallel_loss.py), with the
     logits held meanwhile, as ColossalAI's causal-LM forward holds them."""
     if key.tp_size > 1:
-        from launcher.vocab_parallel_loss import vocab_parallel_loss
-
         logits = model(input_ids=ids).logits
         return vocab_parallel_loss(logits, ids)
     return model(input_ids=ids, labels=ids).loss
@@ -359,8 +356,6 @@ def _apply_lora(model, key: TraceKey):
     (launcher/peft.py). QLoRA: the Linear weights bitsandbytes would quantize stay in the compute
     dtype and run through the MatMul4Bit stand-in (launcher/peft.py module docstring); their
     storage bytes are replaced by the 4-bit layout in `trace_step`. Returns (model, those weights)."""
-    from launcher import peft as lp
-
     settings = key.lora_settings()
     linears = lp.quantizable_linears(model) if key.quant_type else []
     gptq = key.quant_type in GPTQ_BITS
@@ -377,8 +372,6 @@ def _apply_lora(model, key: TraceKey):
 def _four_bit_rows(nbytes: list, quantized, rec: _Recorder, key: TraceKey) -> None:
     """QLoRA: the traced compute-dtype storage of each 4-bit base weight -> its bitsandbytes bytes
     (packed 4-bit weight + absmax (+ double-quant constants) + code; launcher/quant.py)."""
-    from launcher.peft import four_bit_storage_bytes
-
     settings = key.lora_settings()
     for w in quantized:  # a 3D expert parameter: one 4-bit matrix per expert
         nbytes[rec.row(w, create=False)] = four_bit_storage_bytes(w.numel(), settings,

@@ -56,7 +56,7 @@ def cell(model, size, strategy, precision, ckpt=False, attn="sdpa", buckets="sma
 
 
 def supported(c: dict) -> bool:
-    """bf16-true under DeepSpeed needs ZeRO 1-3 (launcher/memory deepspeed_support_problem)."""
+    """bf16-true under DeepSpeed needs ZeRO 1-3 (launcher/backends/deepspeed/rules.py)."""
     return not (c["precision"] == "bf16-true" and c["strategy"] == "zero0")
 
 

@@ -5,6 +5,10 @@ from pathlib import Path
 
 import pytest
 
+from launcher.config import register_schema
+
+register_schema()  # tests compose conf/ through Hydra directly, as the entry points do
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from launcher.steptrace import Kind, StepTrace, extrapolate
+from launcher import quant
 
 CATEGORIES = ("parameters", "gradients", "optimizer_states", "activations", "buffers")
 KIND_CATEGORY = {Kind.PARAM: "parameters", Kind.GRAD: "gradients", Kind.OPTIM: "optimizer_states",
@@ -28,7 +29,6 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 class Term:
     """One storage the framework allocates that the trace does not hold: live on the curve at
     indices [start, end) (same convention as `StepTrace.live_curve`)."""
-
     name: str
     category: str
     nbytes: int
@@ -45,7 +45,6 @@ class Layout:
     first the framework's gradient reduction after backward (part of the backward phase), then its
     optimizer step (the optimizer phase), for frameworks whose step is modelled, not traced. Every
     traced event at or after that point moves later by their sum; `ev()` maps a traced event."""
-
     trace: StepTrace
     mask: np.ndarray  # rows kept
     alloc: np.ndarray  # allocation events (on the layout's timeline)
@@ -156,7 +155,6 @@ def host_bytes(layout: Layout) -> int:
 class PhasePeaks:
     """Per phase: the peak total and the breakdown at that peak; `segments` holds the same per
     segment of the phase (`Layout.segments`), as [(total, breakdown)]."""
-
     total: dict  # phase -> bytes
     breakdown: dict  # phase -> {category: bytes}
     segments: dict = field(default_factory=dict)  # phase -> [(bytes, {category: bytes})]
@@ -297,8 +295,6 @@ def modelled_state_bytes(optimizer: str, shapes: list, state_bytes: int = 4) -> 
     others. bitsandbytes AdamW8bit / PagedAdamW8bit: launcher/quant.py `adamw_8bit_state_bytes`
     (bitsandbytes/optim/optimizer.py Optimizer2State.init_state; paged states are counted as
     device memory). transformers Adafactor: `adafactor_state_bytes` (beta1=None, HF's default)."""
-    from launcher import quant
-
     if optimizer in BNB_8BIT_OPTIMIZERS:
         numels = [int(np.prod(s)) for s in shapes]
         return quant.adamw_8bit_state_bytes(numels, paged=optimizer.startswith("paged"))["total_bytes"]

@@ -7,6 +7,8 @@ import sys
 import time
 
 from launcher.errors import ConfigError
+from launcher.runspec import RunSpec
+from launcher.worker import train
 
 REPORT_GRACE_S = 10.0
 """Seconds a non-reporting rank waits after a bad input before it exits (see `main`)."""
@@ -18,9 +20,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="validate the inputs, do not train")
     args = parser.parse_args(argv)
     try:
-        from launcher.runspec import RunSpec
-        from launcher.worker import train
-
         if not os.path.isfile(args.run_json):
             raise ConfigError(f"run spec {args.run_json} does not exist")
         spec = RunSpec.load(args.run_json)

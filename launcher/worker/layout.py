@@ -9,7 +9,8 @@ parameters in `model.parameters()` order, full tensors), `scheduler.pt` (LambdaL
 
 - DDP checkpoints are that form already; ColossalAI's are too: its booster writes them unsharded
   (`booster.save_model/save_optimizer(shard=False)` gathers ZeRO and tensor-parallel shards).
-- DeepSpeed checkpoints are converted with DeepSpeed's own tools (`to_neutral`): the fp32 weights
+- DeepSpeed checkpoints are converted with DeepSpeed's own tools (its Backend.to_neutral,
+  launcher/backends/deepspeed/checkpoint.py): the fp32 weights
   with `get_fp32_state_dict_from_zero_checkpoint` (zero_to_fp32), the optimizer's moments and
   step with `ds_to_universal` (universal checkpoint: one full tensor per parameter and state).
 - Reading the neutral form: every backend loads the weights into the model before it wraps it;
@@ -21,11 +22,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Optional
 
-NEUTRAL_BACKENDS = ("ddp", "colossalai", "neutral")
+from launcher.backends import registry
+from launcher.worker import checkpoint
+from launcher.worker.checkpoint import LAYOUT_FILE
+
 MODEL, OPTIMIZER, SCHEDULER = "model.pt", "optimizer.pt", "scheduler.pt"
 
 
@@ -34,8 +37,6 @@ def layout_of(spec, world_size: int) -> dict:
 
 
 def read_layout(directory: Path) -> Optional[dict]:
-    from launcher.worker.checkpoint import LAYOUT_FILE
-
     path = Path(directory) / LAYOUT_FILE
     return json.loads(path.read_text()) if path.is_file() else None
 
@@ -46,7 +47,12 @@ def same_layout(a: Optional[dict], b: dict) -> bool:
 
 
 def is_neutral(layout: Optional[dict]) -> bool:
-    return layout is not None and layout["backend"] in NEUTRAL_BACKENDS
+    """Its checkpoint is torch's own form: the converted 'neutral' one, or a backend that writes no
+    other (its Backend.to_neutral is None: DDP, ColossalAI's unsharded booster files)."""
+    if layout is None:
+        return False
+    backend = registry.REGISTRY.get(layout["backend"])
+    return layout["backend"] == "neutral" or (backend is not None and not backend.to_neutral)
 
 
 def load_neutral_weights(model, directory: Path) -> None:
@@ -69,78 +75,14 @@ def neutral_scheduler(directory: Path) -> dict:
     return torch.load(Path(directory) / SCHEDULER, map_location="cpu", weights_only=True)
 
 
-# ---- DeepSpeed -> neutral (runs in the launcher, one process) ------------------------------
-
-def _deepspeed_to_neutral(src: Path, dst: Path) -> None:
-    import torch
-
-    from launcher.backends.deepspeed.worker import DS_TAG
-
-    ds_dir = src / DS_TAG
-    model_file = min(ds_dir.glob("*mp_rank_00_model_states.pt"))  # ZeRO-3: zero_pp_rank_0_mp_rank_00_...
-    states = torch.load(model_file, map_location="cpu", weights_only=False)
-    torch.save(states["lr_scheduler"], dst / SCHEDULER)
-    if states.get("optimizer") is not None:  # ZeRO-0: the torch optimizer and the module, unpartitioned
-        torch.save(states["module"], dst / MODEL)
-        torch.save(states["optimizer"], dst / OPTIMIZER)
-        return
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    weights = get_fp32_state_dict_from_zero_checkpoint(str(src), tag=DS_TAG)
-    module = {**(states.get("module") or {}), **weights}
-    torch.save(module, dst / MODEL)
-    shapes = {name: shape for group in states["param_shapes"] for name, shape in group.items()}
-    torch.save(_universal_optimizer(ds_dir, shapes), dst / OPTIMIZER)
-
-
-def _base_step(ds_dir: Path):
-    """The torch optimizer's step count, from rank 0's ZeRO optimizer file (ZeRO-3's universal
-    checkpoint has no step.pt)."""
-    import torch
-
-    saved = torch.load(min(ds_dir.glob("*rank_0_*optim_states.pt")), map_location="cpu", weights_only=False)
-    return next(iter(saved["optimizer_state_dict"]["optimizer_state_dict"]["state"].values()))["step"]
-
-
-def _universal_optimizer(ds_dir: Path, shapes: dict) -> dict:
-    """A torch optimizer state_dict from DeepSpeed's universal checkpoint of `ds_dir`."""
-    import argparse
-
-    import torch
-    from deepspeed.checkpoint import ds_to_universal
-
-    with tempfile.TemporaryDirectory(prefix="universal-") as tmp:
-        args = argparse.Namespace(input_folder=str(ds_dir), output_folder=str(Path(tmp) / "out"),
-                                  num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
-                                  strict=True, inject_missing_state=True)
-        ds_to_universal.main(args)
-        zero = Path(tmp) / "out" / "zero"
-        groups = torch.load(zero / "optimizer_state.pt", map_location="cpu", weights_only=False)["param_groups"]
-        state, step = {}, None
-        for index, (name, shape) in enumerate(shapes.items()):
-            entry = {}
-            for file in sorted((zero / name).glob("*.pt")):
-                if file.stem != "fp32":  # the weights come from zero_to_fp32
-                    value = torch.load(file, map_location="cpu", weights_only=False)
-                    value = value["param"] if isinstance(value, dict) else value
-                    entry[file.stem] = value if file.stem == "step" else value.reshape(shape)
-            if "step" not in entry:
-                step = _base_step(ds_dir) if step is None else step
-                entry["step"] = step.clone()
-            state[index] = entry
-    group = {k: v for k, v in groups[0].items() if k != "params"}
-    return {"state": state, "param_groups": [{**group, "params": list(range(len(shapes)))}]}
-
-
 def to_neutral(src: Path, dst: Path) -> None:
     """Write the layout-neutral form of checkpoint `src` into `dst` (a new directory), with its
     trainer state and RNG states, as a complete checkpoint whose layout is 'neutral'."""
-    from launcher.worker import checkpoint
-
     layout = read_layout(src) or {}
     dst.mkdir(parents=True)
-    if layout.get("backend") == "deepspeed":
-        _deepspeed_to_neutral(src, dst)
+    backend = registry.REGISTRY.get(layout.get("backend"))
+    if backend is not None and backend.to_neutral:  # e.g. DeepSpeed's own converters
+        registry.load(backend.to_neutral)(src, dst)
     else:
         for name in (MODEL, OPTIMIZER, SCHEDULER):
             shutil.copy2(src / name, dst / name)

@@ -22,6 +22,7 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
+from launcher.worker.storage_tracker import StorageTracker
 
 
 TRACKER_ENV = "LAUNCHER_MEMORY_TRACKER"  # 'storage' (default) | 'memtracker'
@@ -37,7 +38,6 @@ class PhasePeak:
 
 class _NullMeter:
     """Memory not measured (spec.measure_memory is false)."""
-
     def __enter__(self):
         return self
 
@@ -59,7 +59,6 @@ class _NullMeter:
 
 class _TrackerMeter(_NullMeter):
     """A meter around an allocation tracker that is itself a context manager."""
-
     _tracker = None
 
     def __enter__(self):
@@ -106,10 +105,7 @@ class _CpuMeter(_TrackerMeter):
 class _StorageMeter(_TrackerMeter):
     """The lean tracker of launcher/worker/storage_tracker.py; breakdown = live bytes by the
     phase that allocated them."""
-
     def __init__(self) -> None:
-        from launcher.worker.storage_tracker import StorageTracker
-
         self._tracker = StorageTracker()
 
     def start(self, phase: str = "setup") -> tuple:
@@ -163,7 +159,6 @@ def _nvml_used_bytes(index: int) -> Optional[int]:
 class MemoryMeter:
     """`with meter.phase('forward'):` records that phase's peak; `take_step()` returns the peaks
     recorded since the previous call; `overall` is the highest phase peak of the whole run."""
-
     def __init__(self, device: str, enabled: bool = True) -> None:
         if not enabled:
             self._impl: _NullMeter = _NullMeter()

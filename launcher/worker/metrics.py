@@ -45,9 +45,10 @@ def estimated_per_rank(estimate: dict, world_size: int) -> Optional[list[int]]:
     return [int(value)] * world_size
 
 
-def error_percent(estimated: int, measured: int) -> Optional[float]:
-    """(estimated - measured) / measured, in percent; positive means over-estimated."""
-    return None if not measured else 100.0 * (estimated - measured) / measured
+def error_percent(estimated: Optional[float], measured: Optional[float]) -> Optional[float]:
+    """(estimated - measured) / measured, in percent; positive means over-estimated; None when
+    either is missing."""
+    return None if not measured or estimated is None else 100.0 * (estimated - measured) / measured
 
 
 def build_summary(records: list[dict], measured_peaks: list[Optional[dict]], estimate: dict,

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from launcher.errors import ConfigError
+from launcher.peft import LoraSettings
+from launcher.peft import apply_lora, quantize_base_4bit
 
 PRECISIONS = ("32-true", "bf16-true", "bf16-mixed", "16-mixed")
 
@@ -92,8 +94,6 @@ def build_model(spec, config, plan: PrecisionPlan):
 
 def lora_settings(spec):
     """The run's LoRA/QLoRA settings (run.json `peft`), or None for full fine-tuning."""
-    from launcher.peft import LoraSettings
-
     peft = getattr(spec, "peft", None)
     return LoraSettings.from_dict(peft) if peft else None
 
@@ -104,8 +104,6 @@ def apply_peft(model, spec, lora):
     runs peft's `prepare_model_for_kbit_training` as HF's QLoRA recipes do (every other 16-bit
     parameter becomes fp32). DeepSpeed casts the whole module to its 16-bit dtype itself, so peft
     keeps the adapters in the model's dtype there."""
-    from launcher.peft import apply_lora, quantize_base_4bit
-
     if lora.quant_type is not None:
         model = quantize_base_4bit(model, lora)
         if lora.upcast_non_quantized:

@@ -2,21 +2,20 @@
 names are HF TrainingArguments' `optim` names."""
 from __future__ import annotations
 
+from launcher.backends.base import OPTIMIZERS
 from launcher.errors import ConfigError
-
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adamw_bnb_8bit", "paged_adamw_8bit", "adafactor")
 
 
 def make_optimizer(name: str, params, learning_rate: float, weight_decay: float):
-    """adamw_torch: AdamW with foreach=True (one multi-tensor kernel per group, on every device);
-    adamw_torch_fused: AdamW(fused=True); sgd: SGD with momentum 0.9; adamw_bnb_8bit /
+    """adamw_torch, adamw_torch_foreach: AdamW with foreach=True (one multi-tensor kernel per
+    group, on every device); adamw_torch_fused: AdamW(fused=True); sgd: SGD with momentum 0.9; adamw_bnb_8bit /
     paged_adamw_8bit: bitsandbytes.optim.AdamW8bit / PagedAdamW8bit; adafactor: transformers'
     Adafactor with HF Trainer's optim="adafactor" settings (scale_parameter=False,
     relative_step=False: the learning rate is the given one)."""
     import torch
 
     params = [p for p in params if p.requires_grad]
-    if name == "adamw_torch":
+    if name in ("adamw_torch", "adamw_torch_foreach"):
         return torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay, foreach=True)
     if name == "adamw_torch_fused":
         return torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay, fused=True)

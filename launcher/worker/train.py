@@ -20,6 +20,7 @@ from launcher.worker.memory import MemoryMeter
 from launcher.worker.model import (PrecisionPlan, build_model, check_seq_len, load_config, param_bytes,
                                    precision_plan)
 from launcher.worker.tokenizer import check_vocab, load_tokenizer
+from launcher.backends.colossalai.worker import launch
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,6 @@ def init_distributed(spec, env: RankEnv) -> None:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed(dist_backend=dist_backend)
     elif spec.backend == "colossalai":  # colossalai.launch_from_torch (launcher/backends/colossalai/worker.py)
-        from launcher.backends.colossalai.worker import launch
 
         launch(spec.seed)
     else:

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from launcher import cli
+from launcher import cli, validate
 from launcher.config import LauncherConfig
 from launcher.errors import ConfigError
 
@@ -148,7 +148,7 @@ def test_trust_remote_code_only_from_the_command_line(argv, allowed):
     from launcher import app
 
     config = cli.compose(["model=tiny-llama", "hardware=cpu", "model.trust_remote_code=true"])
-    found = [p for p in app.problems(config, argv) if "trust_remote_code" in p]
+    found = [p for p in validate.problems(config, argv) if "trust_remote_code" in p]
     assert (not found) == allowed, found
 
 

@@ -5,7 +5,7 @@ import pytest
 
 from launcher.config import DDPConfig, DeepSpeedConfig
 from launcher.errors import ConfigError
-from launcher.memory import estimate_memory, trace_request
+from launcher.memory.estimate import estimate_memory, trace_request
 from launcher.memory.common import model_state_bytes
 from launcher.backends.deepspeed.layout import ZeroSetup, zero0_layout, zero12_layout
 from launcher.backends.deepspeed.zero3 import gathered_param_bytes, zero3_layout

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from launcher.config import DDPConfig, DeepSpeedConfig
-from launcher.memory import _layouts, estimate_memory, trace_request
+from launcher.memory.estimate import estimate_memory, layout_set, trace_request
 from launcher.memory.common import model_state_bytes
 from launcher.types import Cluster, Strategy, Workload
 
@@ -42,7 +42,7 @@ def test_zero_stages_order_model_state_bytes(tmp_path):
     for stage in (0, 1, 2, 3):
         s = Strategy(f"zero{stage}", "deepspeed", stage)
         traces = _traces(s, wl, tmp_path)
-        layouts, _, _ = _layouts(traces, s, wl, TINY_BUCKETS, DDPConfig(), 2)
+        layouts = layout_set(traces, s, wl, {"deepspeed": TINY_BUCKETS, "ddp": DDPConfig()}, 2, "cpu").groups[0][1]
         got[stage] = model_state_bytes(layouts[1])
         assert estimate_memory(traces, s, wl, CPU, TINY_BUCKETS, DDPConfig(), 2).peak_allocated_bytes > 0
     assert got[3] < got[2] < got[1] <= got[0]

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 
 from launcher.config import DDPConfig, DeepSpeedConfig
-from launcher.memory import _layouts, estimate_memory, trace_request
+from launcher.memory.estimate import estimate_memory, layout_set, trace_request
 from launcher.planner import STRATEGIES
 from launcher.steptrace import TraceSet
 from launcher.types import Cluster, Workload
@@ -92,7 +92,7 @@ def test_extrapolated_estimate_equals_full_depth(model, workload, strategy):
     shallow = trace.trace_set(key, NUM_LAYERS, cache_dir=CACHE)
     assert (shallow.depth1.num_layers, shallow.depth2.num_layers) == (2, 3)
     full = _direct(key)
-    layouts, _, _ = _layouts(full, s, wl, SMALL_BUCKETS, DDPConfig(), DP)
+    layouts = layout_set(full, s, wl, {"deepspeed": SMALL_BUCKETS, "ddp": DDPConfig()}, DP, "cpu").groups[0][1]
     num_terms = sum(not term.host for term in layouts[1].terms)
     for cluster, tolerance in ((CPU, PADDING_BYTES), (GPU, PADDING_BYTES + ROUNDING_BYTES * num_terms)):
         got, want = _estimate(shallow, s, wl, cluster), _estimate(full, s, wl, cluster)

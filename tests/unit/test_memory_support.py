@@ -15,7 +15,9 @@ import pytest
 from launcher.config import DDPConfig, DeepSpeedConfig
 from launcher.backends.deepspeed.emit import unsupported_reason
 from launcher.errors import ConfigError
-from launcher.memory import deepspeed_support_problem, estimate_memory, trace_request
+from launcher.backends.base import Ask
+from launcher.backends.registry import backend_of
+from launcher.memory.estimate import estimate_memory, trace_request
 from launcher.planner import STRATEGIES
 from launcher.steptrace import TraceSet
 from launcher.types import Cluster, Workload
@@ -40,7 +42,8 @@ def test_one_rule_for_planner_memory_and_worker(case):
     strategy, precision = case
     reason = unsupported_reason(strategy, precision, "cuda")
     assert bool(reason) == ((strategy.name, precision) in UNSUPPORTED)
-    assert deepspeed_support_problem(strategy, precision, "cuda") == (reason or "")
+    ask = Ask(precision, "adamw_torch", device="cuda")  # what the planner and the worker check
+    assert bool(backend_of(strategy).rules(strategy).problem(strategy.name, ask)) == bool(reason)
     if reason:
         assert precision in reason
         with pytest.raises(ConfigError):

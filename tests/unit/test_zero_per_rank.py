@@ -7,7 +7,7 @@ import pytest
 
 from launcher.config import DDPConfig, DeepSpeedConfig
 from launcher.measure import memory_rows
-from launcher.memory import estimate_memory
+from launcher.memory.estimate import estimate_memory
 from launcher.memory.common import category_curves
 from launcher.backends.deepspeed.layout import (ZeroSetup, full_depth_flush_events, gradient_partitions,
                                        grads_in_partition_numel, partition_mask, reduce_events,

@@ -10,14 +10,21 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from launcher.steptrace import Kind, Role, StepTrace
+from launcher.backends.base import LayoutSet
+from launcher.backends.colossalai.emit import PARALLEL_OUTPUT, num_microbatches, overlap
+from launcher.backends.colossalai.gemini import gemini_bytes, search_chunk_size
+from launcher.backends.ddp.layout import DDP_NOTES, bucket_bytes, ddp_layout
+from launcher.backends.deepspeed.zero3 import full_depth_numels
+from launcher.errors import ConfigError
+from launcher.memory.common import (DTYPE_BYTES, Layout, grad_ready_order, optimizer_state_numel_factor,
+                                    optimizer_step_scalar_bytes, optimizer_step_temp_numel, trainable_params)
+from launcher.backends.colossalai.rules import PLUGIN
+from launcher.precision import FRAMEWORK, torch_trace_request
+from launcher.steptrace import Kind, StepTrace
 
-from launcher.memory.common import (Layout, grad_ready_order, optimizer_state_numel_factor, optimizer_step_scalar_bytes,
-                     optimizer_step_temp_numel, trainable_params)
-
-PLUGIN_DTYPE = {"32-true": "float32", "bf16-mixed": "bfloat16", "16-mixed": "float16"}
+PLUGIN_DTYPE = {p: FRAMEWORK[p] for p in PLUGIN}  # the plugins' module dtype (launcher/precision.py)
 MEGA = 1024**2
 
 
@@ -173,19 +180,13 @@ def tp_extra_bytes(tokens: int, tp_size: int, model_bytes: int, parallel_output:
 # ----------------------------------------------------------------------------- dispatch
 
 def trace_request(strategy, workload) -> dict:
-    """TraceKey fields: cai_ddp runs the model as torch DDP does (ddp backend); the other plugins
-    cast the model to their precision themselves (LowLevelZeroModel / GeminiDDP /
+    """TraceKey fields: cai_ddp runs the model as torch DDP does (launcher/precision.py); the other
+    plugins cast the model to their precision themselves (LowLevelZeroModel / GeminiDDP /
     HybridParallelModule: `module.to(dtype)`), run it without autocast, and their optimizer
     memory is modelled here, so no optimizer is traced; cai_tp / cai_pp with tp_size > 1 trace the
     tensor-parallel shard."""
-    from launcher.errors import ConfigError
-
-    from launcher.memory import TORCH_PRECISION, TRACE_OPTIMIZER
-
     if strategy.name == "cai_ddp":
-        param_dtype, autocast = TORCH_PRECISION[workload.precision]
-        return {"param_dtype": param_dtype, "autocast_dtype": autocast,
-                "optimizer": TRACE_OPTIMIZER[workload.optimizer]}
+        return torch_trace_request(workload)
     if workload.precision not in PLUGIN_DTYPE:
         raise ConfigError(f"training.precision={workload.precision} is not supported by strategy="
                           f"{strategy.name}; use one of {', '.join(PLUGIN_DTYPE)}")
@@ -196,33 +197,29 @@ def trace_request(strategy, workload) -> dict:
 
 
 def _zero_setup(strategy, workload, cai, dp: int, device: str) -> ZeroSetup:
-    from launcher.backends.colossalai.emit import overlap
-
-    from launcher.memory.common import DTYPE_BYTES
-
     return ZeroSetup(stage=strategy.zero_stage, model_bytes=DTYPE_BYTES[PLUGIN_DTYPE[workload.precision]],
                      dp=dp, bucket_numel=cai.reduce_bucket_size_in_m * MEGA, overlap=overlap(cai, device),
                      optimizer=workload.optimizer)
 
 
+def memory(traces, strategy, workload, knobs, dp: int, device: str) -> LayoutSet:
+    """The plugin's `LayoutSet`: every rank of the data-parallel group holds the same bytes."""
+    traces, layouts, notes, extra = colossalai_memory(traces, strategy, workload, knobs["ddp"], knobs["colossalai"],
+                                                      dp, device)
+    return LayoutSet(groups=(((), tuple(layouts)),), traces=traces, notes=tuple(notes), extra=extra)
+
+
 def colossalai_memory(traces, strategy, workload, ddp, cai, dp: int, device: str):
     """(traces as extrapolated, per-depth layouts, notes, extra bytes {phase: {category: bytes}})."""
-    import dataclasses
-
-    from launcher.backends.ddp.layout import bucket_bytes, ddp_layout
-    from launcher.backends.deepspeed.zero3 import full_depth_numels
-
     pair = (traces.depth1, traces.depth2)
     if strategy.name == "cai_ddp":
-        from launcher.backends.ddp.layout import DDP_NOTES
-
         return traces, [ddp_layout(t, ddp, dp) for t in pair], DDP_NOTES, {}
     z = _zero_setup(strategy, workload, cai, dp, device)
     if strategy.name == "cai_gemini":
         return (traces, [gemini_activation_layout(t) for t in pair], GEMINI_NOTES,
                 gemini_extra(full_depth_numels(traces.depth1, traces.num_layers), z, cai))
     if strategy.pp_size > 1:
-        traces = dataclasses.replace(traces, num_layers=max(1, traces.num_layers // strategy.pp_size))
+        traces = replace(traces, num_layers=max(1, traces.num_layers // strategy.pp_size))
     if strategy.zero_stage in (1, 2) and (strategy.name != "cai_tp" or dp > 1):
         layouts = [lowlevel_zero_layout(t, z) for t in pair]
     else:
@@ -231,8 +228,6 @@ def colossalai_memory(traces, strategy, workload, ddp, cai, dp: int, device: str
                    for t in pair]
     extra: dict = {}
     if strategy.tp_size > 1:
-        from launcher.backends.colossalai.emit import PARALLEL_OUTPUT
-
         tokens = traces.depth1.micro_batch_size * traces.depth1.seq_len
         b = tp_extra_bytes(tokens, strategy.tp_size, z.model_bytes, PARALLEL_OUTPUT, 0)
         extra = {ph: {"activations": b} for ph in ("forward", "backward")}
@@ -261,8 +256,6 @@ def pipeline_inflight_bytes(traces, pp_size: int, cai) -> dict:
     start, at the stage's depth. Each stage is estimated with the embedding and the LM head both
     present (an upper bound for the worst rank: the embedding is on the first stage, the LM head
     and the loss on the last)."""
-    from launcher.backends.colossalai.emit import num_microbatches
-
     m = num_microbatches(cai, pp_size)
 
     def saved(t):
@@ -290,8 +283,6 @@ def gemini_extra(sizes: list[int], z: ZeroSetup, cai) -> dict:
     master shards and Adam states in every phase; the gathered chunks in forward and backward; in
     the step one chunk shard's gradient cast to fp32 (gemini_optimizer.py `_update_fp16_params` /
     `step`: per chunk `chunk16.cuda_shard.float()`)."""
-    from launcher.backends.colossalai.gemini import gemini_bytes, search_chunk_size
-
     search = search_chunk_size(sizes, z.dp, cai.search_range_m, cai.min_chunk_size_m, cai.hidden_dim)
     static = cai.placement_policy == "static"
     gb = gemini_bytes(sizes, z.dp, z.model_bytes, search,

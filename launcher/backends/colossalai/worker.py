@@ -27,10 +27,13 @@ import importlib
 import os
 from pathlib import Path
 
+from launcher.backends.colossalai import transformers_tp
+from launcher.environment import COLOSSALAI_CPU_COMPAT_ENV as TEST_PRELOAD_ENV
 from launcher.errors import ConfigError
+from launcher.worker import layout
+from launcher.worker.optim import make_optimizer, make_scheduler
 
 PLUGINS = ("TorchDDPPlugin", "LowLevelZeroPlugin", "GeminiPlugin", "HybridParallelPlugin")
-TEST_PRELOAD_ENV = "LAUNCHER_COLOSSALAI_TEST_PRELOAD"
 
 
 def check_plugin_config(framework_config: dict) -> None:
@@ -68,9 +71,7 @@ def launch(seed: int) -> None:
         importlib.import_module(module)
     import colossalai
 
-    from launcher.worker import colossalai_transformers
-
-    colossalai_transformers.apply()
+    transformers_tp.apply()
     colossalai.launch_from_torch(seed=seed, verbose=False)
 
 
@@ -82,8 +83,6 @@ class ColossalAIBackend:
     def __init__(self, model, spec, env, plan, meter) -> None:
         import torch
         from colossalai.booster import Booster
-
-        from launcher.worker.optim import make_optimizer, make_scheduler
 
         check_plugin_config(spec.framework_config)
         name, kwargs = spec.framework_config["plugin"], dict(spec.framework_config.get("kwargs", {}))
@@ -160,21 +159,20 @@ class ColossalAIBackend:
         form (launcher/worker/layout.py), which every plugin and backend can read."""
         import torch
 
-        from launcher.worker import layout
-
         self.booster.save_model(self.model, str(directory / layout.MODEL), shard=False)
         self.booster.save_optimizer(self.optimizer, str(directory / layout.OPTIMIZER), shard=False)
         if rank == 0:
             torch.save(self.scheduler.state_dict(), directory / layout.SCHEDULER)
 
     def load(self, directory: Path) -> None:
-        from launcher.worker import layout
-
         self.booster.load_model(self.model, str(directory / layout.MODEL))
         self.load_neutral(directory)
 
     def load_neutral(self, directory: Path) -> None:
-        from launcher.worker import layout
-
         self.booster.load_optimizer(self.optimizer, str(directory / layout.OPTIMIZER))
         self.scheduler.load_state_dict(layout.neutral_scheduler(directory))
+
+
+def check_config(spec, world_size: int) -> None:
+    """The run's colossalai_plugin.json (`check_plugin_config`)."""
+    check_plugin_config(spec.framework_config)

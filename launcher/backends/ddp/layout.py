@@ -16,10 +16,11 @@ The model and the torch optimizer run exactly as traced. DDP changes two things:
 """
 from __future__ import annotations
 
+from launcher.backends.base import LayoutSet
 from launcher.config import DDPConfig
-from launcher.steptrace import Kind, StepTrace
-
 from launcher.memory.common import Layout, grad_ready_order, modelled_state_bytes, trainable_params
+from launcher.precision import torch_trace_request
+from launcher.steptrace import Kind, StepTrace
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
 
@@ -85,3 +86,16 @@ DDP_NOTES = (
     "Not modelled: gradient clipping's per-parameter norm scalars, gloo/NCCL internal scratch "
     "outside tensors, the construction-time parameter broadcast buffer (below the step peak).",
 )
+
+
+def trace_request(strategy, workload) -> dict:
+    """torch DDP runs the model as the user asked and its torch optimizer is traced for real
+    (launcher/precision.py)."""
+    return torch_trace_request(workload)
+
+
+def memory(traces, strategy, workload, knobs, dp: int, device: str) -> LayoutSet:
+    """One layout per traced depth; every rank holds the same bytes."""
+    wrapped = strategy.name != "single"
+    layouts = tuple(ddp_layout(t, knobs["ddp"], dp, workload.optimizer, wrapped) for t in (traces.depth1, traces.depth2))
+    return LayoutSet(groups=(((), layouts),), traces=traces, notes=DDP_NOTES if wrapped else SINGLE_NOTES)

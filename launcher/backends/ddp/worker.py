@@ -6,6 +6,7 @@ from pathlib import Path
 
 from launcher.errors import ConfigError
 from launcher.worker.optim import make_optimizer, make_scheduler
+from launcher.worker import layout
 
 SINGLE = "single"  # the strategy that runs one process without a data-parallel wrapper
 
@@ -29,7 +30,6 @@ def _check_ddp_kwargs(framework_config: dict) -> None:
 class DDPBackend:
     """torch DistributedDataParallel; strategy `single`: the same loop on one process with the model
     not wrapped (no gradient buckets), as HF Trainer and torchtune train on one GPU."""
-
     def __init__(self, model, spec, env, plan, meter) -> None:
         import torch
         from torch.nn.parallel import DistributedDataParallel
@@ -105,8 +105,11 @@ class DDPBackend:
         self._meter.track_external(self.module, self.optimizer)
 
     def load_neutral(self, directory: Path) -> None:
-        from launcher.worker import layout
-
         self.optimizer.load_state_dict(layout.neutral_optimizer(directory))
         self.scheduler.load_state_dict(layout.neutral_scheduler(directory))
         self._meter.track_external(self.module, self.optimizer)
+
+
+def check_config(spec, world_size: int) -> None:
+    """The run's ddp_config.json: DistributedDataParallel keyword arguments only."""
+    _check_ddp_kwargs(spec.framework_config)

@@ -37,6 +37,7 @@ from __future__ import annotations
 from typing import Optional
 
 from launcher.config import DeepSpeedConfig, TrainingConfig
+from launcher.backends.deepspeed.rules import rules
 from launcher.errors import ConfigError
 from launcher.types import Strategy
 
@@ -60,29 +61,13 @@ def _precision_name(training: TrainingConfig) -> str:
 
 
 def unsupported_reason(strategy: Strategy, precision: str, device: Optional[str] = None) -> Optional[str]:
-    """Why DeepSpeed 0.19 cannot run this strategy at this precision with the worker's torch
-    optimizer on `device` ('cuda' | 'cpu'; None: not known), or None. The one rule the planner,
-    the memory model and the worker apply (module docstring). Checked by 2-rank gloo CPU runs with
-    a torch AdamW: bf16-true trains at ZeRO-0 (client AdamW on the bf16 parameters) and at ZeRO
-    1-3 (bf16 master weights and states); with optimizer offload the ZeRO optimizer asserts
-    "Master weights feature requires ... Offload with DeepSpeedCPUAdam" (stage_1_and_2.py
-    `_enforce_cpu_offload`, stage3.py `_enforce_optimizer_offload`, called from
-    base_optimizer.py `_configure_master_weights`)."""
-    offload = strategy.offload_optimizer or strategy.offload_params
-    if precision == "16-true":
-        return (f"strategy={strategy.name} with precision=16-true: ZeRO 1-3 keep fp16 master "
-                "weights only under offload with DeepSpeedCPUAdam (base_optimizer.py "
-                "_configure_master_weights), and ZeRO-0 would train fp16 without loss scaling, "
-                "which the worker does not do; use precision=16-mixed or bf16-true")
-    if precision == "bf16-true" and offload:
-        return (f"strategy={strategy.name} with precision=bf16-true needs DeepSpeedCPUAdam "
-                "(DeepSpeed's bf16 master weights under offload); use precision=bf16-mixed")
-    if precision == "16-mixed" and device == "cpu":
-        return ("precision=16-mixed with DeepSpeed on CPU: its CPU accelerator lists fp16 only "
-                "where oneDNN has fp16 kernels (deepspeed/accelerator/cpu_accelerator.py "
-                "supported_dtypes; engine.py raises 'Type fp16 is not supported on your device'); "
-                "use precision=bf16-mixed")
-    return None
+    """Why DeepSpeed cannot run this strategy at this precision with the worker's torch optimizer
+    on `device` ('cuda' | 'cpu'; None: not known, the GPU's rules), or None: the capability table
+    (launcher/backends/deepspeed/rules.py) the planner, the memory model and the worker apply."""
+    table = rules(strategy)
+    if precision in table.precisions[device or "cuda"]:
+        return None
+    return f"strategy={strategy.name} with precision={precision}: {table.why.get(precision, 'not supported')}"
 
 
 def expected_half_sections(strategy: Strategy, precision: str) -> dict:

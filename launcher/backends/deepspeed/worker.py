@@ -6,9 +6,12 @@ import logging
 from pathlib import Path
 
 from launcher.errors import ConfigError
+from launcher.backends.deepspeed.checkpoint import DS_TAG
 from launcher.worker.optim import make_optimizer, make_scheduler
+from launcher.types import Strategy
+from launcher.backends.deepspeed.emit import expected_half_sections, unsupported_reason
+from launcher.worker import layout
 
-DS_TAG = "deepspeed"
 
 
 def deepspeed_config(spec, world_size: int) -> dict:
@@ -37,8 +40,6 @@ def deepspeed_config(spec, world_size: int) -> dict:
 
 def ds_strategy(spec, config: dict):
     """The `Strategy` a ds_config describes (stage and offload from its zero_optimization)."""
-    from launcher.types import Strategy
-
     zero = config.get("zero_optimization", {})
     off = lambda key: zero.get(key, {}).get("device", "none") not in ("none", None)  # noqa: E731
     return Strategy(getattr(spec, "strategy", "deepspeed"), "deepspeed", int(zero.get("stage", 0)),
@@ -48,8 +49,6 @@ def ds_strategy(spec, config: dict):
 def _precision_problems(spec, config: dict) -> list[str]:
     """The planner's and emitter's rule (launcher/backends/deepspeed/emit.py `unsupported_reason`), and the
     bf16/fp16 sections the emitter writes for this precision (`expected_half_sections`)."""
-    from launcher.backends.deepspeed.emit import expected_half_sections, unsupported_reason
-
     strategy = ds_strategy(spec, config)
     reason = unsupported_reason(strategy, spec.precision, getattr(spec, "device", None))
     if reason:
@@ -118,8 +117,6 @@ class DeepSpeedBackend:
         import torch
         from deepspeed.utils import safe_set_full_optimizer_state
 
-        from launcher.worker import layout
-
         saved = layout.neutral_optimizer(directory)
         self.scheduler.load_state_dict(layout.neutral_scheduler(directory))
         if self.engine.zero_optimization_stage() == 0:
@@ -141,3 +138,8 @@ class DeepSpeedBackend:
                 for key in ("exp_avg", "exp_avg_sq"):
                     safe_set_full_optimizer_state(param, saved["state"][index][key].to(param.device), key)
         self._meter.track_external(self.engine.module, self._base_optimizer)
+
+
+def check_config(spec, world_size: int) -> None:
+    """The run's ds_config.json, checked against the run (`deepspeed_config`)."""
+    deepspeed_config(spec, world_size)

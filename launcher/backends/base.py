@@ -1,0 +1,182 @@
+"""What a backend is: its strategies, one capability table, and the functions the planner, the
+tracer, the emitter and the worker call. Pure values; no torch, no Hydra.
+
+A backend folder (`launcher/backends/<name>/`) defines one `Backend` in its `__init__.py` and is
+listed once in `launcher/backends/registry.py`. The planner refuses at plan time what the
+backend's `Rules` refuse, and the worker checks the same `Rules` before it starts, so a plan is
+never chosen that the worker then refuses (tests/unit/test_backend_agreement.py walks the whole
+surface through the worker's own checks).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+from launcher.types import Strategy
+
+PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true")  # Lightning's names
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_torch_foreach", "sgd", "adamw_bnb_8bit",
+              "paged_adamw_8bit", "adafactor")  # HF TrainingArguments `optim` names
+PEFT_METHODS = ("none", "lora", "qlora")
+DEVICES = ("cuda", "cpu")
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What a run asks of a strategy: the values its capability table is checked against."""
+
+    precision: str
+    optimizer: str
+    peft: str = "none"  # none | lora | qlora
+    device: str = "cuda"
+    num_processes: int = 2
+    installed: frozenset = frozenset()  # optional packages and flags present where it runs (launcher/environment.py)
+
+
+@dataclass(frozen=True)
+class Rules:
+    """One strategy's capability table: the values its worker runs. `why` gives the reason a value
+    is missing (keyed by the value), so a refusal names its cause and the fix."""
+
+    precisions: Mapping[str, frozenset]  # device -> Lightning precision names that run there
+    optimizers: frozenset = frozenset(OPTIMIZERS)
+    peft: frozenset = frozenset({"none", "lora"})
+    peft_devices: Mapping[str, frozenset] = field(default_factory=lambda: {"qlora": frozenset({"cuda"})})
+    single_process: bool = False  # True: exactly one process (no data-parallel wrapper)
+    min_processes: int = 1
+    why: Mapping[str, str] = field(default_factory=dict)
+
+    def problem(self, strategy: str, ask: Ask) -> str:
+        """Why `strategy` cannot run what `ask` asks, or ''."""
+        if ask.device not in self.precisions:
+            return self.why.get(ask.device) or f"strategy={strategy} does not run on {ask.device}"
+        if ask.precision not in self.precisions[ask.device]:
+            ok = [p for p in PRECISIONS if p in self.precisions[ask.device]]
+            return self._no(strategy, f"training.precision={ask.precision}", ask.precision, ok,
+                            f" on {ask.device}" if any(ask.precision in v for v in self.precisions.values()) else "")
+        if ask.optimizer not in self.optimizers:
+            ok = [o for o in OPTIMIZERS if o in self.optimizers]
+            return self._no(strategy, f"training.optimizer={ask.optimizer}", ask.optimizer, ok)
+        peft = self.peft_problem(strategy, ask.peft, ask.device)
+        if peft:
+            return peft
+        if self.single_process and ask.num_processes != 1:
+            return (f"strategy={strategy} runs one process, not {ask.num_processes}, without a data-parallel "
+                    "wrapper; use strategy=ddp (or auto) for several")
+        if ask.num_processes < self.min_processes:
+            return self.why.get("processes", f"strategy={strategy} needs at least {self.min_processes} processes")
+        return ""
+
+    def peft_problem(self, strategy: str, peft: str, device: str) -> str:
+        """Why `strategy` cannot train `peft` adapters on `device`, or ''."""
+        if peft not in self.peft:
+            return self._no(strategy, f"peft={peft}", peft, [p for p in PEFT_METHODS if p in self.peft])
+        if device not in self.peft_devices.get(peft, (device,)):
+            return self.why.get(f"{peft}:{device}") or f"peft={peft} does not run on {device}"
+        return ""
+
+    def _no(self, strategy: str, what: str, value: str, ok: list, where: str = "") -> str:
+        reason = self.why.get(value)
+        return (f"strategy={strategy} does not run {what}{where}: "
+                + (reason if reason else f"use one of {', '.join(ok) or 'none'}"))
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One backend: its strategies (name -> template) and what each layer calls.
+
+    - `rules(strategy)`: the strategy's capability table.
+    - `problem(strategy, ask)`: backend-specific refusals beyond the table ('' when it runs).
+    - `trace_request(strategy, workload)`: the TraceKey fields the memory model needs.
+    - `memory(traces, strategy, workload, knobs, dp, device)`: the strategy's `LayoutSet`.
+    - `comm(x)`: (compute_s, raw comm_s, exposed comm_s, bytes per element) of a `CommInput`.
+    - `host_equivalent(x)`: the `HostEquivalent` of a `CommInput` whose host terms it shares
+      (launcher/host_time.py), or None when it has no host-time model.
+    - `emit_file`, `emit(x)`: the framework config file of an `EmitInput`.
+    - `worker`: 'module:callable' building the worker hook (imported by the worker only).
+    - `check_worker_config`: 'module:callable' checking a run's framework config in the worker.
+    - `knobs`: the LauncherConfig groups this backend reads (adapted once, at the edge).
+    - `to_neutral`: 'module:function' converting its checkpoint to torch's layout-neutral form
+      (launcher/worker/layout.py), run by the launcher; None when it writes that form already.
+    """
+
+    name: str
+    strategies: Mapping[str, Strategy]
+    rules: Callable[[Strategy], Rules]
+    trace_request: Callable[..., dict]
+    memory: Callable[..., Any]
+    comm: Callable[..., tuple]
+    emit_file: str
+    emit: Callable[..., dict]
+    worker: str
+    check_worker_config: str
+    problem: Callable[[Strategy, Ask], str] = lambda strategy, ask: ""
+    host_equivalent: Optional[Callable[..., Optional[tuple]]] = None
+    knobs: tuple = ()
+    to_neutral: Optional[str] = None  # 'module:function' writing its checkpoint in torch's form; None: it is already
+
+    def refusal(self, strategy: Strategy, ask: Ask) -> str:
+        """Why `strategy` cannot run `ask`: the capability table first, then the backend's own rule."""
+        return self.rules(strategy).problem(strategy.name, ask) or self.problem(strategy, ask)
+
+
+@dataclass(frozen=True)
+class LayoutSet:
+    """A backend's memory layout of one strategy, from a TraceSet.
+
+    groups: ((ranks, (layout at depth 1, layout at depth 2)), ...), one entry per set of
+    data-parallel ranks holding the same bytes; ranks=() means every rank.
+    traces: the TraceSet the layouts extrapolate over (a pipeline stage has fewer layers).
+    gathered: ZeRO-3 gathered-parameter bytes (bytes, kept on the per-depth curve) or None.
+    extra: {phase: {category: bytes}} added at full depth.
+    """
+
+    groups: tuple
+    traces: Any
+    notes: tuple = ()
+    gathered: Optional[tuple] = None
+    extra: Mapping = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CommInput:
+    """What a backend's communication model reads (launcher/speed.py `estimate_speed`)."""
+
+    strategy: Strategy
+    workload: Any  # launcher.types.Workload
+    cluster: Any  # launcher.types.Cluster
+    compute_s: float  # FLOP time of the optimizer step, all micro-batches
+    forward_s: float  # FLOP time of one micro-batch's forward
+    backward_s: float
+    trainable: int  # trainable parameters
+    num_params: int
+    dp: int
+    accum: int
+    knobs: Mapping  # config group name -> its dataclass
+    spec: Any = None  # launcher.model.ModelSpec
+
+
+@dataclass(frozen=True)
+class HostEquivalent:
+    """The torch DDP or DeepSpeed strategy whose CPU host terms a strategy shares
+    (launcher/host_time.py), with the bucket sizes it uses (`ds`: reduce/allgather_bucket_size),
+    the share of the parameters a rank holds (1/`shard`) and communication it adds on top."""
+
+    strategy: Strategy
+    ds: Any = None
+    shard: int = 1
+    extra_comm_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class EmitInput:
+    """Everything an emitter may read about the chosen candidate."""
+
+    strategy: Strategy
+    training: Any  # launcher.config.TrainingConfig
+    knobs: Mapping  # config group name -> its dataclass
+    micro_batch_size: int
+    grad_accum_steps: int
+    dp_size: int
+    device: str = "cuda"
+    vocab_size: int = 0  # the model's vocabulary (ColossalAI TP picks its padding multiple from it)

@@ -1,0 +1,95 @@
+"""Communication of the ColossalAI plugins (`comm`) and the DDP or ZeRO strategy whose CPU host
+terms each shares (`host_equivalent`)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from launcher.backends.base import CommInput, HostEquivalent
+from launcher.backends.colossalai.emit import num_microbatches, overlap
+from launcher.backends.ddp.comm import ddp_reduction_s
+from launcher.collectives import bus_bandwidth_gbps, fully_sharded_comm_s, ring_time_s
+from launcher.types import Strategy
+
+
+def colossalai_host_equivalent(strategy: Strategy, cai) -> tuple:
+    """(strategy, bucket sizes) whose host terms a ColossalAI plugin shares: TorchDDPPlugin and
+    HybridParallelPlugin's DP dimension without ZeRO are torch DDP (hybrid_parallel_plugin.py
+    wraps the shard in DDP); LowLevelZeroPlugin and the ZeRO DP dimension copy gradients into
+    `reduce_bucket_size_in_m` buckets, all-reduce (stage 1) or reduce-scatter (stage 2) them and
+    all-gather the updated partition like DeepSpeed ZeRO-1/2 (colossalai/zero/low_level/
+    low_level_optim.py `_run_reduction`, `step`: one all-gather of the whole flat partition per
+    bucket store); the strategy keeps its ColossalAI backend for launcher/host_time.py `comm_s`."""
+    if strategy.name == "cai_ddp" or strategy.zero_stage == 0:
+        return Strategy("ddp", "ddp"), None
+    bucket = int(cai.reduce_bucket_size_in_m * 1024 * 1024)
+    return (Strategy(strategy.name, "colossalai", strategy.zero_stage),
+            SimpleNamespace(reduce_bucket_size=bucket, allgather_bucket_size=bucket))
+
+
+def tp_comm_s(strategy: Strategy, workload, cluster, spec, accum: int, elem: int) -> float:
+    """Tensor-parallel all-reduces per optimizer step: each decoder layer all-reduces b x s x hidden
+    activations twice in forward (the g operators) and twice in backward (the f operators)
+    (Megatron-LM, arXiv:1909.08053 sec. 3), on the intra-node link over tp ranks, not overlapped;
+    each call also pays `collective_latency_s`."""
+    if strategy.tp_size <= 1 or spec is None:
+        return 0.0
+    calls = 4 * spec.num_layers / strategy.pp_size * accum
+    act_bytes = workload.micro_batch_size * workload.seq_len * spec.hidden_size * elem
+    per_call = ring_time_s(act_bytes, strategy.tp_size, cluster.intra_node_bandwidth_gbps, "all_reduce")
+    return calls * (per_call + cluster.collective_latency_s)
+
+
+def comm(x: CommInput) -> tuple:
+    """(compute_s, comm_s, exposed_s, bytes per communicated element) of a ColossalAI candidate.
+
+    - cai_ddp: torch DDP (fp32 gradients under autocast), launcher/backends/ddp/comm.py.
+    - cai_zero1/2 (LowLevelZero) and the DP dimension of cai_tp/cai_pp with zero_stage 1/2:
+      gradient reduce(-scatter) plus parameter all-gather, as DeepSpeed ZeRO-1/2 (ZeRO paper
+      arXiv:1910.02054 sec. 7); overlapped with backward only with overlap_communication.
+    - cai_gemini: chunk all-gathers in forward and backward and a gradient reduce-scatter per
+      micro-batch, as ZeRO-3 (launcher/collectives.py `fully_sharded_comm_s`); chunks are gathered whole, so the volume is the
+      model's.
+    - tensor parallelism (tp > 1): the traced FLOPs are already one shard's; `tp_comm_s` adds the
+      per-layer activation all-reduces. DP gradients are 1/tp.
+    - pipeline parallelism (p > 1): the micro-batches of one optimizer step (grad_accum, a
+      multiple of num_microbatches m) are the pipeline's micro-batches; the traced FLOPs cover all
+      layers, a stage runs 1/p of them, and each 1F1B flush of m micro-batches idles
+      (p-1)/(m+p-1) of its time (the bubble; GPipe arXiv:1811.06965, 1F1B arXiv:2104.04473
+      sec. 2.2): compute_s / p / (1 - bubble). Stage-to-stage activation sends are not modelled
+      (b x s x hidden per micro-batch, small next to the all-reduces)."""
+    strategy, workload, cluster, cai = x.strategy, x.workload, x.cluster, x.knobs["colossalai"]
+    dp, accum, backward_s, compute_s = x.dp, x.accum, x.backward_s, x.compute_s
+    tp, pp = strategy.tp_size, strategy.pp_size
+    elem = 4 if workload.precision == "32-true" or strategy.name == "cai_ddp" else 2
+    bus = bus_bandwidth_gbps(cluster)
+    grads, params = x.trainable * elem / (tp * pp), x.num_params * elem / (tp * pp)
+    if strategy.name == "cai_ddp":
+        comm, exposed = ddp_reduction_s(x, grads)
+    elif strategy.name == "cai_gemini":
+        comm, exposed = fully_sharded_comm_s(dp, bus, params, grads, accum, x.forward_s, backward_s, True)
+    elif strategy.zero_stage in (1, 2):
+        comm = ring_time_s(grads, dp, bus, "reduce_scatter") * (accum if strategy.zero_stage == 2 else 1)
+        gather = ring_time_s(grads, dp, bus, "all_gather")
+        exposed = (max(0.0, comm - backward_s * accum) if overlap(cai, cluster.device) else comm) + gather
+        comm += gather
+    else:
+        comm = exposed = ring_time_s(grads, dp, bus, "all_reduce")
+    tp_s = tp_comm_s(strategy, workload, cluster, x.spec, accum, elem)
+    comm, exposed = comm + tp_s, exposed + tp_s
+    if pp > 1:
+        m = num_microbatches(cai, pp)
+        bubble = (pp - 1) / (m + pp - 1)
+        compute_s = compute_s / pp / (1 - bubble)
+    return compute_s, comm, exposed, elem
+
+
+def host_equivalent(x: CommInput):
+    """Gemini and pipelines do not run on CPU processes: no host-time model (None). The others
+    share the host terms of `colossalai_host_equivalent`, on 1/(tp x pp) of the parameters, plus
+    the tensor-parallel all-reduces."""
+    strategy, workload = x.strategy, x.workload
+    if strategy.name == "cai_gemini" or strategy.pp_size > 1:
+        return None
+    host_strategy, ds = colossalai_host_equivalent(strategy, x.knobs["colossalai"])
+    tp_s = tp_comm_s(strategy, workload, x.cluster, x.spec, x.accum, 4 if workload.precision == "32-true" else 2)
+    return HostEquivalent(host_strategy, ds, shard=strategy.tp_size * strategy.pp_size, extra_comm_s=tp_s)

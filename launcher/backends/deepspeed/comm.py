@@ -1,0 +1,39 @@
+"""Communication of DeepSpeed ZeRO per optimizer step (speed.py assumptions 4-6): ZeRO-0 one
+gradient all-reduce after backward (engine.py `_backward_epilogue`, exposed); ZeRO-1/2 a bucketed
+reduce-scatter (every micro-batch at stage 2, stage_1_and_2.py
+`reduce_ready_partitions_and_remove_grads`) overlapped only with `overlap_comm`, then an exposed
+parameter all-gather; ZeRO-3 gathers in forward and backward and reduce-scatters per micro-batch."""
+from __future__ import annotations
+
+from launcher.backends.base import CommInput, HostEquivalent
+from launcher.collectives import bucketed_reduction_s, bus_bandwidth_gbps, fully_sharded_comm_s, ring_time_s
+from launcher.types import Strategy
+
+
+def overlap_comm(strategy: Strategy, ds) -> bool:
+    """DeepSpeed's effective overlap_comm: the configured value, else True only for stage 3
+    (deepspeed/runtime/zero/config.py `overlap_comm_valid`)."""
+    return ds.overlap_comm if ds.overlap_comm is not None else strategy.zero_stage == 3
+
+
+def comm(x: CommInput) -> tuple:
+    """The engine holds a 16-bit model and communicates in it (engine.py `communication_data_type`)."""
+    s, ds = x.strategy, x.knobs["deepspeed"]
+    elem = 4 if x.workload.precision == "32-true" else 2
+    bus, grads = bus_bandwidth_gbps(x.cluster), x.trainable * elem
+    if s.zero_stage == 3:
+        raw, exposed = fully_sharded_comm_s(x.dp, bus, x.num_params * elem, grads, x.accum, x.forward_s,
+                                            x.backward_s, overlap_comm(s, ds))
+    elif s.zero_stage == 0:
+        raw, exposed = bucketed_reduction_s(grads, x.dp, bus, "all_reduce", 1, ds.reduce_bucket_size * elem,
+                                            False, x.backward_s)
+    else:
+        raw, exposed = bucketed_reduction_s(grads, x.dp, bus, "reduce_scatter", x.accum if s.zero_stage == 2 else 1,
+                                            ds.reduce_bucket_size * elem, overlap_comm(s, ds), x.backward_s)
+        gather_s = ring_time_s(grads, x.dp, bus, "all_gather")
+        raw, exposed = raw + gather_s, exposed + gather_s
+    return x.compute_s, raw, exposed, elem
+
+
+def host_equivalent(x: CommInput) -> HostEquivalent:
+    return HostEquivalent(x.strategy, x.knobs["deepspeed"])

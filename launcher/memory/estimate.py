@@ -1,0 +1,157 @@
+"""Per-rank peak memory of a parallel strategy, from a traced training step.
+
+Method. `launcher.trace` records one real training step of the model at two depths under fake
+tensors on the CPU (`StepTrace`: one row per storage with its allocation and free events). For a
+strategy, each depth's trace becomes a `Layout`: the rows the framework keeps (with lifetimes
+changed the way it changes them, e.g. gradients copied into buckets and freed when ready), plus
+the storages the framework allocates itself (flat parameter buffers, master weights, optimizer
+states, reduction buckets, gradient partitions, step temporaries), each citing the code that
+allocates it (ddp.py, deepspeed.py, zero3.py). The live-bytes curve of the layout is maximised per
+phase (forward, backward incl. the post-backward reduction, optimizer step) and per segment of a
+phase (cut where the decoder layers start and end, `Layout.segments`); each segment maximum is
+extrapolated linearly to the real depth from the two traced depths and the largest is the phase's
+peak (`TraceSet.phase_max` rule: the maximum can move between segments as depth grows); the
+estimate is the largest phase. The curve is the steady state from the second step on: optimizer states, created
+lazily in the first step, are live during every later forward and backward.
+
+Devices. cuda: allocations round to 512 B; peak reserved comes from replaying the layout's
+allocation sequence (twice, for the steady state) through a simulator of the caching allocator
+(allocator.py); cuBLAS workspaces are added to allocated and reserved, the CUDA context and NCCL
+buffers to the device total (runtime.py). cpu (gloo processes): peak live tensor bytes, no rounding,
+no runtime terms, and the offloaded host storages counted too (they are the same memory).
+
+Ranks. All ranks of a data-parallel group hold the same bytes except under ZeRO 1-2, where each
+rank's gradient partition holds the whole of the parameters its partition overlaps and is
+allocated at the first reduction of one of them (deepspeed.py `gradient_partitions`): each
+rank is estimated (`MemoryEstimate.per_rank_peak_allocated_bytes`), the worst is the headline.
+
+Assumptions (also listed in each `MemoryEstimate.notes`): one parameter group; the
+worker's torch optimizer (`adamw_torch` = foreach AdamW); DeepSpeed `grad_accum_dtype` and
+`communication_data_type` unset; ZeRO-3 gathered parameters live from their module's forward to
+their own backward when the reuse distance keeps them all (zero3.py `gathered_param_terms`),
+else they are added at full depth to the forward and backward peaks. Not
+modelled: the model-construction phase (its peak is below the step's), gradient-clipping norm
+scalars, the loss scaler's small tensors, process-group internal scratch, side-stream late frees.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from launcher.backends.base import LayoutSet
+from launcher.backends.registry import backend_of
+from launcher.config import ColossalAIConfig, DDPConfig, DeepSpeedConfig
+from launcher.steptrace import TraceSet
+from launcher.types import Cluster, MemoryEstimate, Strategy, Workload
+
+from launcher.memory import runtime
+from launcher.memory.common import PHASES, extrapolate_layouts, extrapolate_peaks, host_bytes, phase_peaks
+from launcher.memory.replay import peak_reserved_bytes
+
+
+def trace_request(strategy: Strategy, workload: Workload) -> dict:
+    """The `TraceKey` fields this strategy needs: how its backend runs the model
+    (launcher/backends/<name>/ `trace_request`)."""
+    return backend_of(strategy).trace_request(strategy, workload)
+
+
+def layout_set(traces: TraceSet, strategy: Strategy, workload: Workload, knobs, dp_size: int,
+               device: str) -> LayoutSet:
+    """The backend's `LayoutSet` of this strategy (launcher/backends/<name>/ `memory`)."""
+    return backend_of(strategy).memory(traces, strategy, workload, knobs, dp_size, device)
+
+
+def estimate(traces: TraceSet, strategy: Strategy, workload: Workload, cluster: Cluster, knobs,
+             dp_size: int, attention_workspace_bytes: int = 0) -> MemoryEstimate:
+    """Peak memory of the worst rank of `strategy` (module docstring: method and assumptions),
+    with every rank's peak in `per_rank_peak_allocated_bytes` when ranks differ (ZeRO 1-2).
+    `knobs`: config group name -> its dataclass (the backend reads its own).
+    `attention_workspace_bytes`: a GPU attention kernel's backward workspace
+    (runtime.py `flash_attention_backward_bytes`), added to the backward peak on cuda."""
+    ls = layout_set(traces, strategy, workload, knobs, dp_size, cluster.device)
+    traces, notes, gathered, extra = ls.traces, tuple(ls.notes), ls.gathered, dict(ls.extra)
+    if cluster.device == "cuda" and attention_workspace_bytes:
+        extra = {**extra, "backward": dict(extra.get("backward", {}))}
+        extra["backward"]["buffers"] = extra["backward"].get("buffers", 0) + attention_workspace_bytes
+        notes = notes + (FLASH_NOTE,)
+    if len(ls.groups) == 1 and not ls.groups[0][0]:
+        return _estimate(traces, list(ls.groups[0][1]), notes, gathered, extra, cluster, dp_size)
+    per_rank, worst = {}, None
+    for ranks, layouts in ls.groups:  # the allocator replay (cuda reserved) only for the worst rank
+        totals = _phase_totals(traces, list(layouts), gathered, extra, cluster)
+        per_rank.update((r, totals[2]) for r in ranks)
+        if worst is None or totals[2] > worst[1][2]:
+            worst = (list(layouts), totals)
+    est = _estimate(traces, worst[0], notes, gathered, extra, cluster, dp_size, totals=worst[1])
+    return replace(est, per_rank_peak_allocated_bytes=tuple(per_rank[r] for r in range(dp_size)))
+
+
+def estimate_memory(traces: TraceSet, strategy: Strategy, workload: Workload, cluster: Cluster,
+                    ds=None, ddp=None, dp_size: int = 1, cai=None, attention_workspace_bytes: int = 0,
+                    knobs=None) -> MemoryEstimate:
+    """`estimate` with the knobs given one by one (DeepSpeed, DDP, ColossalAI; defaults when None)."""
+    knobs = {"deepspeed": ds or DeepSpeedConfig(), "ddp": ddp or DDPConfig(),
+             "colossalai": cai or ColossalAIConfig(), **(knobs or {})}
+    return estimate(traces, strategy, workload, cluster, knobs, dp_size, attention_workspace_bytes)
+
+
+def _phase_totals(traces: TraceSet, layouts: list, gathered, extra: dict, cluster: Cluster):
+    """(total per phase, breakdown per phase, peak allocated) of one rank from its layouts at the
+    two traced depths (allocated includes the cuBLAS workspaces on cuda)."""
+    cuda = cluster.device == "cuda"
+    rounding = runtime.allocator_rounding_bytes(cluster.device)
+    peaks = [phase_peaks(lay, rounding, with_host=not cuda) for lay in layouts]
+    ext = extrapolate_peaks(layouts, peaks, traces.num_layers)
+    total, breakdown = dict(ext.total), {ph: dict(b) for ph, b in ext.breakdown.items()}
+    gathered_bytes = gathered[0] if gathered else 0
+    for ph in ("forward", "backward"):
+        total[ph] += gathered_bytes
+        breakdown[ph]["parameters"] += gathered_bytes
+    for ph, cats in extra.items():
+        for cat, nbytes in cats.items():
+            total[ph] += nbytes
+            breakdown[ph][cat] += nbytes
+    workspace = runtime.cublas_workspace_bytes(cluster.sm_arch) if cuda else 0
+    return total, breakdown, max(total.values()) + workspace
+
+
+def _estimate(traces: TraceSet, layouts: list, notes, gathered, extra: dict, cluster: Cluster,
+              dp_size: int, totals=None) -> MemoryEstimate:
+    """The estimate of one rank from its layouts at the two traced depths (`totals`: their
+    `_phase_totals`, when already computed)."""
+    cuda = cluster.device == "cuda"
+    total, breakdown, _ = totals or _phase_totals(traces, layouts, gathered, extra, cluster)
+    phase = max(PHASES, key=lambda ph: total[ph])
+    host = extrapolate_layouts(layouts, [host_bytes(x) for x in layouts], traces.num_layers)
+    bd = dict(breakdown[phase])
+    if not cuda:
+        peak = total[phase]
+        bd["runtime"] = 0
+        return MemoryEstimate(peak, peak, peak, host, bd, phase,
+                              tuple(notes) + CPU_NOTES)
+    workspace = runtime.cublas_workspace_bytes(cluster.sm_arch)
+    allocated = total[phase] + workspace
+    reserved = peak_reserved_bytes(layouts[-1], cluster.sm_arch, allocated, cluster.expandable_segments)
+    outside = runtime.cuda_context_bytes(cluster.cuda_context_bytes) + runtime.nccl_bytes(dp_size)
+    bd["runtime"] = workspace + outside
+    expandable = (EXPANDABLE_NOTE,) if cluster.expandable_segments else ()
+    return MemoryEstimate(allocated, reserved, reserved + outside, host, bd, phase,
+                          tuple(notes) + GPU_NOTES + expandable)
+
+
+FLASH_NOTE = ("GPU flash attention backward: its fp32 dq accumulator and, with grouped-query attention, "
+              "K/V gradients expanded to every head (flash_api.cpp mha_bwd) are added to the backward peak.")
+EXPANDABLE_NOTE = ("PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True here and the job inherits it: "
+                   "the allocator replay grows one segment per pool by 2 MiB / 20 MiB pages.")
+CPU_NOTES = (
+    "CPU processes: peak live tensor bytes (what torch's MemTracker measures), no allocator "
+    "rounding, no CUDA/NCCL terms; offloaded host storages are included in the peak (and "
+    "also reported as host_bytes).",
+)
+GPU_NOTES = (
+    "GPU: 512 B allocator rounding; peak reserved = peak allocated + the cache a caching-allocator "
+    "replay of the step at the deeper traced depth holds above its live bytes (single stream, "
+    "default settings); cuBLAS workspaces 2 x 8.125 MiB (32 MiB each on sm90+) in allocated.",
+    "device total = reserved + CUDA context (hardware setting) + NCCL per process group "
+    "(544 MiB for 2 ranks, 688 MiB for more: NVIDIA/nccl issue 964, one group assumed).",
+    "breakdown: parameters..buffers at the allocated peak; runtime = cuBLAS + context + NCCL.",
+)
