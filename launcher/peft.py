@@ -21,7 +21,6 @@ import contextlib
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from launcher.backends.registry import backend_of
 from launcher.errors import ConfigError
 from launcher import quant
 
@@ -311,12 +310,6 @@ def training_variants(config, device: str) -> list[TrainingVariant]:
     if not ckpt:
         out += [TrainingVariant(v.trains, v.lora, True) for v in list(out)]
     return out
-
-
-def variant_problem(variant: TrainingVariant, strategy, device: str) -> str:
-    """Why this strategy cannot train this variant here, or '' (its backend's capability table,
-    launcher/backends/<name>/rules.py)."""
-    return backend_of(strategy).rules(strategy).peft_problem(strategy.name, variant.peft, device)
 
 
 def trace_fields(lora: Optional[LoraSettings], backend: str, request: dict) -> dict:

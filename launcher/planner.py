@@ -11,7 +11,6 @@ from dataclasses import replace
 from launcher import host_time, speed, trace
 from launcher.backends import registry
 from launcher.backends.base import Ask
-from launcher.backends.colossalai.emit import num_microbatches
 from launcher.backends.registry import backend_of
 from launcher.config import LauncherConfig
 from launcher.environment import Env, detect
@@ -20,16 +19,16 @@ from launcher.margin import confidence_note
 from launcher.memory import estimate as memory_model
 from launcher.memory.runtime import flash_attention_backward_bytes
 from launcher.model import ModelSpec, effective_attention
+from launcher.parallel import tp_degrees, tp_sizes
 from launcher.peft import TrainingVariant, trace_fields, training_variants
-from launcher.tp_shard import degree_problem
 from launcher.types import Candidate, Cluster, Plan, Strategy, Workload
 
 STRATEGIES = registry.STRATEGIES  # name -> template, derived from the backend registry
 
 
 def strategies_for(config: LauncherConfig, spec: ModelSpec | None = None) -> list[Strategy]:
-    """The strategies to plan; with a model spec, cai_tp / cai_pp expand into their valid
-    DP x TP x PP layouts (`colossalai_layouts`). `auto` on several GPUs leaves out `single`, a
+    """The strategies to plan; with a model spec, templates with tensor or pipeline parallelism
+    expand into their valid layouts (Backend.expand). `auto` on several GPUs leaves out `single`, a
     one-process strategy (asked for by name there, `unsupported` says why)."""
     name = config.strategy.name
     chosen = ([s for s in STRATEGIES.values() if s.name != "single" or config.gpus == 1] if name == "auto"
@@ -38,63 +37,8 @@ def strategies_for(config: LauncherConfig, spec: ModelSpec | None = None) -> lis
         return chosen
     out: list[Strategy] = []
     for s in chosen:
-        out += colossalai_layouts(s, config, spec) if s.name in ("cai_tp", "cai_pp") else [s]
-    return out
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def tp_degrees(config: LauncherConfig, spec: ModelSpec) -> dict[int, str]:
-    """Every tensor-parallel size > 1 that divides the GPUs of a node (TP all-reduces run every
-    layer, on the intra-node link) -> why it is invalid for this model, or '' (whole attention and
-    KV heads per rank: the shardformer policies assert both, launcher/tp_shard.py
-    `degree_problem`)."""
-    per_node = config.gpus // max(1, config.nodes)
-    return {t: degree_problem(spec.model_type, spec.num_attention_heads, spec.num_key_value_heads, t)
-            for t in divisors(per_node) if t > 1}
-
-
-def tp_sizes(config: LauncherConfig, spec: ModelSpec) -> list[int]:
-    """The valid tensor-parallel sizes (`tp_degrees`)."""
-    return [t for t, problem in tp_degrees(config, spec).items() if not problem]
-
-
-def pp_sizes(config: LauncherConfig, spec: ModelSpec) -> list[int]:
-    """Pipeline sizes > 1 that divide the GPUs and the decoder layers (equal stages)."""
-    return [p for p in divisors(config.gpus) if p > 1 and spec.num_layers % p == 0]
-
-
-def colossalai_layouts(template: Strategy, config: LauncherConfig, spec: ModelSpec) -> list[Strategy]:
-    """cai_tp: every valid tp_size (or the given one) with colossalai.zero_stage on the DP
-    dimension; cai_pp: every valid pp_size (or the given one) x (tp 1 or a valid tp_size), so
-    DP x TP x PP combinations are all candidates. Explicit sizes that are invalid are a ConfigError."""
-    cai = config.colossalai
-    tps, pps = tp_sizes(config, spec), pp_sizes(config, spec)
-    if not trace.tp_traceable(spec.model_type):  # no config shard and no sharding rule (trace.py, tp_shard.py)
-        if cai.tp_size not in (None, 1) or config.strategy.name == "cai_tp":
-            raise ConfigError(f"strategy={template.name}: no tensor-parallel sharding rule for model type "
-                              f"{spec.model_type} yet; use colossalai.tp_size=1 with cai_pp, or another strategy")
-        tps = []
-    if cai.tp_size is not None and cai.tp_size != 1 and cai.tp_size not in tps:
-        per_node = config.gpus // max(1, config.nodes)
-        why = tp_degrees(config, spec).get(cai.tp_size) or f"it does not divide the {per_node} GPUs of a node"
-        raise ConfigError(f"colossalai.tp_size={cai.tp_size}: {why}; valid: {tps or 'none'}")
-    if cai.pp_size is not None and cai.pp_size != 1 and cai.pp_size not in pps:
-        raise ConfigError(f"colossalai.pp_size={cai.pp_size} must divide gpus ({config.gpus}) and the "
-                          f"{spec.num_layers} layers; valid: {pps or 'none'}")
-    if cai.zero_stage not in (0, 1, 2):
-        raise ConfigError(f"colossalai.zero_stage={cai.zero_stage}; use 0, 1 or 2")
-    if template.name == "cai_tp":
-        sizes = [cai.tp_size] if cai.tp_size not in (None, 1) else tps
-        return [replace(template, tp_size=t, zero_stage=cai.zero_stage) for t in sizes]
-    stage = min(cai.zero_stage, 1)  # hybrid_parallel_plugin.py: ZeRO-2 is not compatible with pp
-    out = []
-    for p in ([cai.pp_size] if cai.pp_size not in (None, 1) else pps):
-        for t in ([cai.tp_size] if cai.tp_size is not None else [1, *tps]):
-            if config.gpus % (t * p) == 0:
-                out.append(replace(template, pp_size=p, tp_size=t, zero_stage=stage))
+        expand = backend_of(s).expand
+        out += expand(s, config, spec) if expand else [s]
     return out
 
 
@@ -144,6 +88,12 @@ def unsupported(strategy: Strategy, config: LauncherConfig, cluster: Cluster, sp
     if strategy.tp_size > 1 and spec is not None and not trace.tp_traceable(spec.model_type):
         return f"no tensor-parallel sharding rule for model type {spec.model_type} yet (launcher/tp_shard.py)"
     return backend_of(strategy).refusal(strategy, ask(config, cluster, env or detect(), peft))
+
+
+def variant_problem(variant: TrainingVariant, strategy, device: str) -> str:
+    """Why this strategy cannot train this variant here, or '' (its backend's capability table,
+    launcher/backends/<name>/rules.py)."""
+    return backend_of(strategy).rules(strategy).peft_problem(strategy.name, variant.peft, device)
 
 
 def launch_problem(strategy: Strategy, spec: ModelSpec, peft: dict | None = None, env: Env | None = None) -> str:
@@ -222,14 +172,8 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
     traces = traced(config, spec, strategy, wl, variant.lora)
     numbers = model_numbers(traces)
     accum = grad_accum(config, micro, dp)
-    if strategy.pp_size > 1:  # the step's micro-batches are the 1F1B micro-batches
-
-        m = num_microbatches(config.colossalai, strategy.pp_size)
-        if config.training.global_batch_size is None:
-            accum = m
-        elif accum % m:
-            raise ConfigError(f"strategy=cai_pp: gradient accumulation {accum} is not a multiple of "
-                              f"colossalai.num_microbatches={m}; change training.global_batch_size")
+    if backend_of(strategy).grad_accum:  # e.g. a pipeline's micro-batches
+        accum = backend_of(strategy).grad_accum(strategy, config, accum)
     knobs = backend_knobs(config)
     mem = memory_model.estimate(traces, strategy, wl, cluster, knobs, dp, attention_workspace(spec, strategy, wl))
     mem = replace(mem, notes=tuple(mem.notes) + trace.trace_notes(trace_key(spec, strategy, wl, variant.lora)))
@@ -289,11 +233,11 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env | N
     numbers: dict = {}
     variants = training_variants(config, cluster.device)
     pairs = [(s, v) for v in variants for s in strategies_for(config, spec)]
-    if config.strategy.name in ("auto", "cai_tp"):  # an invalid degree is a line, not a missing row
-
-        notes += [f"cai_tp tp={t} not planned: {why}" for t, why in tp_degrees(config, spec).items() if why]
+    for name in [n for n, t in STRATEGIES.items() if t.tp_size > 1 and config.strategy.name in ("auto", n)]:
+        # an invalid tensor-parallel degree is a line, not a missing row
+        notes += [f"{name} tp={t} not planned: {why}" for t, why in tp_degrees(config, spec).items() if why]
         if not trace.tp_traceable(spec.model_type) and tp_sizes(config, spec):
-            notes.append(f"cai_tp not planned: no tensor-parallel sharding rule for model type {spec.model_type} "
+            notes.append(f"{name} not planned: no tensor-parallel sharding rule for model type {spec.model_type} "
                          "yet (launcher/tp_shard.py)")
     for strategy, variant in pairs:
         why = unsupported(strategy, config, cluster, spec, env, peft=variant.peft)

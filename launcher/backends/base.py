@@ -96,6 +96,10 @@ class Backend:
     - `worker`: 'module:callable' building the worker hook (imported by the worker only).
     - `check_worker_config`: 'module:callable' checking a run's framework config in the worker.
     - `knobs`: the LauncherConfig groups this backend reads (adapted once, at the edge).
+    - `expand(template, config, spec)`: the template's layouts over the valid tensor/pipeline
+      degrees (launcher/parallel.py); None: the template is the strategy.
+    - `grad_accum(strategy, config, accum)`: the step's micro-batches when the backend decides
+      them (pipeline schedules); None: the planner's accumulation.
     - `to_neutral`: 'module:function' converting its checkpoint to torch's layout-neutral form
       (launcher/worker/layout.py), run by the launcher; None when it writes that form already.
     """
@@ -113,6 +117,8 @@ class Backend:
     problem: Callable[[Strategy, Ask], str] = lambda strategy, ask: ""
     host_equivalent: Optional[Callable[..., Optional[tuple]]] = None
     knobs: tuple = ()
+    expand: Optional[Callable[..., list]] = None  # (template, config, spec) -> its layouts over TP/PP degrees
+    grad_accum: Optional[Callable[..., int]] = None  # (strategy, config, accumulation) -> the step's micro-batches
     to_neutral: Optional[str] = None  # 'module:function' writing its checkpoint in torch's form; None: it is already
 
     def refusal(self, strategy: Strategy, ask: Ask) -> str:

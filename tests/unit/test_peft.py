@@ -3,7 +3,6 @@ optimizer states the memory models use for 8-bit AdamW (bitsandbytes' own tensor
 (traced for real: a traced step against a real one)."""
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 
@@ -16,6 +15,7 @@ from launcher import trace as tr  # noqa: E402
 from launcher.config import LauncherConfig, PeftMethod, StrategyName  # noqa: E402
 from launcher.errors import ConfigError  # noqa: E402
 from launcher.memory.common import modelled_state_bytes  # noqa: E402
+from launcher.planner import variant_problem  # noqa: E402
 from launcher.types import Strategy  # noqa: E402
 
 
@@ -62,12 +62,12 @@ def test_variant_problems_name_the_reason():
     lora = lp.TrainingVariant("adapters", lp.LoraSettings(), False)
     qlora = lp.TrainingVariant("adapters", lp.LoraSettings(quant_type="nf4"), False)
     ddp, z2, z3 = Strategy("ddp", "ddp"), Strategy("zero2", "deepspeed", 2), Strategy("zero3", "deepspeed", 3)
-    assert lp.variant_problem(lora, ddp, "cpu") == lp.variant_problem(lora, z2, "cpu") == ""
-    assert lp.variant_problem(lora, z3, "cuda") == ""  # LoRA on ZeRO-3 is modelled (frozen base partitioned)
-    assert "DDP only" in lp.variant_problem(qlora, z3, "cuda")
-    assert "GPU" in lp.variant_problem(qlora, ddp, "cpu")
-    assert "DDP only" in lp.variant_problem(qlora, z2, "cuda")
-    assert lp.variant_problem(qlora, ddp, "cuda") == ""
+    assert variant_problem(lora, ddp, "cpu") == variant_problem(lora, z2, "cpu") == ""
+    assert variant_problem(lora, z3, "cuda") == ""  # LoRA on ZeRO-3 is modelled (frozen base partitioned)
+    assert "DDP only" in variant_problem(qlora, z3, "cuda")
+    assert "GPU" in variant_problem(qlora, ddp, "cpu")
+    assert "DDP only" in variant_problem(qlora, z2, "cuda")
+    assert variant_problem(qlora, ddp, "cuda") == ""
 
 
 def _lora_model():

@@ -1,11 +1,11 @@
 """ColossalAI booster plugins: TorchDDP, LowLevelZero, Gemini and HybridParallel (TP, PP)."""
 from launcher.backends.base import Backend
-from launcher.backends.colossalai import comm, emit, layout, rules
+from launcher.backends.colossalai import comm, emit, expand, layout, rules
 from launcher.types import Strategy
 
 BACKEND = Backend(
     name="colossalai",
-    strategies={  # cai_tp / cai_pp sizes come from launcher/planner.py `colossalai_layouts` (templates here)
+    strategies={  # cai_tp / cai_pp: templates, sizes from expand.py
         "cai_ddp": Strategy("cai_ddp", "colossalai"),
         "cai_zero1": Strategy("cai_zero1", "colossalai", zero_stage=1),
         "cai_zero2": Strategy("cai_zero2", "colossalai", zero_stage=2),
@@ -22,4 +22,5 @@ BACKEND = Backend(
     worker="launcher.backends.colossalai.worker:ColossalAIBackend",
     check_worker_config="launcher.backends.colossalai.worker:check_config",
     knobs=("colossalai", "ddp"),
+    expand=expand.expand, grad_accum=expand.grad_accum,
 )

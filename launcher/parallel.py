@@ -1,0 +1,33 @@
+"""The parallel degrees a model and a cluster allow: tensor-parallel sizes within a node whose
+heads divide evenly, pipeline sizes that divide the GPUs and the layers. Backends with tensor or
+pipeline parallelism expand their strategy templates over these (Backend.expand)."""
+from __future__ import annotations
+
+from launcher.tp_shard import degree_problem
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+
+def tp_degrees(config, spec) -> dict[int, str]:
+    """Every tensor-parallel size > 1 that divides the GPUs of a node (TP all-reduces run every
+    layer, on the intra-node link) -> why it is invalid for this model, or '' (whole attention and
+    KV heads per rank: the shardformer policies assert both, launcher/tp_shard.py
+    `degree_problem`)."""
+    per_node = config.gpus // max(1, config.nodes)
+    return {t: degree_problem(spec.model_type, spec.num_attention_heads, spec.num_key_value_heads, t)
+            for t in divisors(per_node) if t > 1}
+
+
+
+def tp_sizes(config, spec) -> list[int]:
+    """The valid tensor-parallel sizes (`tp_degrees`)."""
+    return [t for t, problem in tp_degrees(config, spec).items() if not problem]
+
+
+
+def pp_sizes(config, spec) -> list[int]:
+    """Pipeline sizes > 1 that divide the GPUs and the decoder layers (equal stages)."""
+    return [p for p in divisors(config.gpus) if p > 1 and spec.num_layers % p == 0]
