@@ -79,11 +79,9 @@ def load_spec(mc: ModelConfig, cache_dir: Optional[str] = None) -> ModelSpec:
 
 
 def _spec_cache_path(hf: dict, cache_dir: Optional[str]) -> Path:
-    from importlib.metadata import version
+    from launcher.trace import DEFAULT_CACHE_DIR, installed_version
 
-    from launcher.trace import DEFAULT_CACHE_DIR
-
-    blob = json.dumps([SPEC_FORMAT, version("transformers"), hf], sort_keys=True, default=str)
+    blob = json.dumps([SPEC_FORMAT, installed_version("transformers"), hf], sort_keys=True, default=str)
     digest = hashlib.sha256(blob.encode()).hexdigest()[:24]
     root = Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE_DIR.parent
     return root / "specs" / f"{digest}.json"
