@@ -6,6 +6,10 @@ with the median and spread over repeated runs and the peak RSS of each run.
     scripts/bench_plan                        # the cases of issue 20, 5 runs each
     scripts/bench_plan --runs 3 --cases llama-2-7b-cold,bloom-1b1-warm
     scripts/bench_plan --case "model=gpt2 gpus=2" --runs 3
+    scripts/bench_plan --cases llama-2-7b-cold --runs 1 --profile /tmp/prof   # + a cProfile run
+
+Imports by module: `python -X importtime -m launcher ... 2> imports.txt` (the `imports` phase
+below is their total).
 
 Each run is a child process started by this script (`--child`): it times, exclusively (a phase
 that calls another or imports a module is not charged for that time), the phases of a plan by
@@ -127,11 +131,21 @@ def child(argv: list[str], out_path: str) -> None:
     _time_trace_phases(clock)
     sys.argv = ["launcher", *argv]
     code = 0
+    profile_path = os.environ.get("BENCH_PLAN_PROFILE")
+    profiler = None
+    if profile_path:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     try:
         runpy.run_module("launcher", run_name="__main__", alter_sys=True)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     finally:
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(profile_path)
         sys.modules["_frozen_importlib"]._find_and_load = find_and_load
         while clock.stack:
             clock.leave()
@@ -188,7 +202,7 @@ def _time_trace_phases(clock: _Clock) -> None:
 
 # ----------------------------------------------------------------------------- the parent
 
-def run_once(overrides: str, cache_dir: Path, out_dir: Path, python: str) -> dict:
+def run_once(overrides: str, cache_dir: Path, out_dir: Path, python: str, profile: str | None = None) -> dict:
     """One fresh child process planning `overrides`; its phases, wall time and peak RSS."""
     times = out_dir.with_suffix(".times.json")
     argv = [python, str(Path(__file__).resolve()), "--child", str(times), "--",
@@ -197,6 +211,8 @@ def run_once(overrides: str, cache_dir: Path, out_dir: Path, python: str) -> dic
     # as a user runs it: compiled modules are cached (__pycache__), whatever this shell says
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     env["HF_HUB_OFFLINE"] = "1"
+    if profile:
+        env["BENCH_PLAN_PROFILE"] = profile
     start = time.perf_counter()
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     stderr = proc.stderr.read()
@@ -222,6 +238,19 @@ def bench_case(name: str, overrides: str, cold: bool, runs: int, tmp: Path, pyth
         print(f"  {name} run {i + 1}/{runs}: {results[-1]['wall_s']:.2f} s, {results[-1]['rss_mib']:.0f} MiB",
               file=sys.stderr, flush=True)
     return results
+
+
+def print_profile(name: str, overrides: str, cold: bool, tmp: Path, out_dir: Path, python: str) -> None:
+    """One run of the case under cProfile (cold: a fresh cache; warm: the timed runs' cache)."""
+    import pstats
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    safe = name.replace(" ", "_").replace("=", "-")
+    prof = out_dir / f"{safe}.prof"
+    cache = tmp / f"{safe}-profile-cache" if cold else tmp / f"{safe}-cache"
+    run_once(overrides, cache, tmp / f"{safe}-profile", python, profile=str(prof))
+    print(f"\n{name}: cProfile, 20 functions with the most own time ({prof})", file=sys.stderr)
+    pstats.Stats(str(prof), stream=sys.stderr).sort_stats("tottime").print_stats(20)
 
 
 def spread(values: list[float]) -> str:
@@ -255,6 +284,9 @@ def main() -> int:
     ap.add_argument("--case", action="append", default=[],
                     help="an extra case: overrides in quotes, planned cold and warm")
     ap.add_argument("--json", help="also write every run's numbers to this file")
+    ap.add_argument("--profile", metavar="DIR",
+                    help="after the timed runs, one more run per case under cProfile: DIR/<case>.prof, "
+                         "and the 20 functions with the most own time printed")
     args = ap.parse_args()
     cases = {n: CASES[n] for n in args.cases.split(",") if n}
     for extra in args.case:
@@ -266,6 +298,9 @@ def main() -> int:
             print(f"{name}: {overrides}", file=sys.stderr, flush=True)
             rows[name] = bench_case(name.replace(" ", "_").replace("=", "-"), overrides, cold, args.runs,
                                     Path(tmp), sys.executable)
+        if args.profile:
+            for name, (overrides, cold) in cases.items():
+                print_profile(name, overrides, cold, Path(tmp), Path(args.profile), sys.executable)
     load_after = os.getloadavg()
     print(f"plan time per phase, median of {args.runs} runs (fresh process each; cold = empty cache_dir); "
           f"{os.cpu_count()} cores, load average {load_before[0]:.1f} before, {load_after[0]:.1f} after\n")
