@@ -6,6 +6,7 @@ with the median and spread over repeated runs and the peak RSS of each run.
     scripts/bench_plan                        # the cases of issue 20, 5 runs each
     scripts/bench_plan --runs 3 --cases llama-2-7b-cold,bloom-1b1-warm
     scripts/bench_plan --case "model=gpt2 gpus=2" --runs 3
+    scripts/bench_plan --variant before=/tmp/old-checkout --variant after=.   # interleaved A/B
     scripts/bench_plan --cases llama-2-7b-cold --runs 1 --profile /tmp/prof   # + a cProfile run
 
 Imports by module: `python -X importtime -m launcher ... 2> imports.txt` (the `imports` phase
@@ -55,6 +56,7 @@ CASES = {  # name -> (overrides, cold?)
 }
 TARGETS = {"llama-2-7b-cold": 2.5, "llama-2-70b-cold": 4.0}  # issue 20; warm: 0.3 s
 WARM_TARGET_S, RSS_TARGET_MIB = 0.3, 300
+VARIANTS: dict[str, str | None] = {"this": None}  # variant name -> checkout (None: this one)
 PHASES = ("startup", "imports", "config", "model spec", "trace build", "trace forward", "trace backward",
           "trace optimizer", "trace record", "trace cache", "layouts", "speed", "planner", "report", "other")
 
@@ -202,15 +204,18 @@ def _time_trace_phases(clock: _Clock) -> None:
 
 # ----------------------------------------------------------------------------- the parent
 
-def run_once(overrides: str, cache_dir: Path, out_dir: Path, python: str, profile: str | None = None) -> dict:
-    """One fresh child process planning `overrides`; its phases, wall time and peak RSS."""
+def run_once(overrides: str, cache_dir: Path, out_dir: Path, python: str, profile: str | None = None,
+             source: str | None = None) -> dict:
+    """One fresh child process planning `overrides` with the launcher of `source` (a checkout;
+    default: this one); its phases, wall time and peak RSS. Every cache the child may use by
+    default lives under `cache_dir` too (XDG_CACHE_HOME), so a cold run is cold everywhere."""
     times = out_dir.with_suffix(".times.json")
     argv = [python, str(Path(__file__).resolve()), "--child", str(times), "--",
             *shlex.split(overrides), "mode=plan", "report=json", f"cache_dir={cache_dir}",
             f"hydra.run.dir={out_dir}"]
     # as a user runs it: compiled modules are cached (__pycache__), whatever this shell says
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    env["HF_HUB_OFFLINE"] = "1"
+    env.update(HF_HUB_OFFLINE="1", XDG_CACHE_HOME=str(cache_dir / "xdg"), PYTHONPATH=source or str(ROOT))
     if profile:
         env["BENCH_PLAN_PROFILE"] = profile
     start = time.perf_counter()
@@ -227,16 +232,21 @@ def run_once(overrides: str, cache_dir: Path, out_dir: Path, python: str, profil
     return {"wall_s": wall_s, "rss_mib": usage.ru_maxrss / 1024, "phases": phases}
 
 
-def bench_case(name: str, overrides: str, cold: bool, runs: int, tmp: Path, python: str) -> list[dict]:
-    results = []
-    warm_cache = tmp / f"{name}-cache"
-    if not cold:  # fill the cache once, untimed
-        run_once(overrides, warm_cache, tmp / f"{name}-fill", python)
+def bench_case(name: str, overrides: str, cold: bool, runs: int, tmp: Path, python: str,
+               variants: dict[str, str | None]) -> dict[str, list[dict]]:
+    """`runs` runs of the case per variant (name -> source checkout), interleaved run by run so
+    that every variant sees the same machine load."""
+    results: dict[str, list[dict]] = {v: [] for v in variants}
+    for v, source in variants.items():
+        if not cold:  # fill the variant's cache once, untimed
+            run_once(overrides, tmp / f"{name}-{v}-cache", tmp / f"{name}-{v}-fill", python, source=source)
     for i in range(runs):
-        cache = tmp / f"{name}-cold-{i}" if cold else warm_cache
-        results.append(run_once(overrides, cache, tmp / f"{name}-run-{i}", python))
-        print(f"  {name} run {i + 1}/{runs}: {results[-1]['wall_s']:.2f} s, {results[-1]['rss_mib']:.0f} MiB",
-              file=sys.stderr, flush=True)
+        for v, source in variants.items():
+            cache = tmp / f"{name}-{v}-cold-{i}" if cold else tmp / f"{name}-{v}-cache"
+            r = run_once(overrides, cache, tmp / f"{name}-{v}-run-{i}", python, source=source)
+            results[v].append(r)
+            print(f"  {name} {v} run {i + 1}/{runs}: {r['wall_s']:.2f} s, {r['rss_mib']:.0f} MiB",
+                  file=sys.stderr, flush=True)
     return results
 
 
@@ -247,8 +257,8 @@ def print_profile(name: str, overrides: str, cold: bool, tmp: Path, out_dir: Pat
     out_dir.mkdir(parents=True, exist_ok=True)
     safe = name.replace(" ", "_").replace("=", "-")
     prof = out_dir / f"{safe}.prof"
-    cache = tmp / f"{safe}-profile-cache" if cold else tmp / f"{safe}-cache"
-    run_once(overrides, cache, tmp / f"{safe}-profile", python, profile=str(prof))
+    cache = tmp / f"{safe}-profile-cache" if cold else tmp / f"{safe}-{next(iter(VARIANTS))}-cache"
+    run_once(overrides, cache, tmp / f"{safe}-profile", python, profile=str(prof), source=VARIANTS[next(iter(VARIANTS))])
     print(f"\n{name}: cProfile, 20 functions with the most own time ({prof})", file=sys.stderr)
     pstats.Stats(str(prof), stream=sys.stderr).sort_stats("tottime").print_stats(20)
 
@@ -257,19 +267,21 @@ def spread(values: list[float]) -> str:
     return f"{min(values):.2f}-{max(values):.2f}"
 
 
-def table(rows: dict[str, list[dict]]) -> str:
-    """A markdown table: one row per case (median wall, spread, peak RSS, target) and the phases'
-    medians as columns."""
+def table(rows: dict[tuple[str, str], list[dict]]) -> str:
+    """A markdown table: one row per case and variant (median wall, spread, peak RSS, target) and
+    the phases' medians as columns."""
     shown = [p for p in PHASES if any(r["phases"].get(p, 0) > 0.005 for rs in rows.values() for r in rs)]
-    head = ["case", "wall s (median)", "min-max", "peak RSS MiB", "target", *shown]
-    out = ["| " + " | ".join(head) + " |", "|" + "---|" * 4 + "---|" + "---:|" * len(shown)]
-    for name, results in rows.items():
+    many = len({v for _, v in rows}) > 1
+    head = ["case", *(["variant"] if many else []), "wall s (median)", "min-max", "peak RSS MiB", "target", *shown]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * (5 if many else 4) + "---|" + "---:|" * len(shown)]
+    for (name, variant), results in rows.items():
         walls = [r["wall_s"] for r in results]
         rss = max(r["rss_mib"] for r in results)
         target = TARGETS.get(name, WARM_TARGET_S if name.endswith("warm") else None)
         verdict = "" if target is None else (f"<= {target} s " + ("ok" if statistics.median(walls) <= target else "MISSED"))
         verdict += f", <= {RSS_TARGET_MIB} MiB " + ("ok" if rss <= RSS_TARGET_MIB else "MISSED")
-        cells = [name, f"{statistics.median(walls):.2f}", spread(walls), f"{rss:.0f}", verdict]
+        cells = [name, *([variant] if many else []), f"{statistics.median(walls):.2f}", spread(walls),
+                 f"{rss:.0f}", verdict]
         cells += [f"{statistics.median(r['phases'].get(p, 0.0) for r in results):.2f}" for p in shown]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
@@ -284,6 +296,9 @@ def main() -> int:
     ap.add_argument("--case", action="append", default=[],
                     help="an extra case: overrides in quotes, planned cold and warm")
     ap.add_argument("--json", help="also write every run's numbers to this file")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=CHECKOUT",
+                    help="plan with the launcher of another checkout too (e.g. before=/tmp/old); the "
+                         "variants' runs are interleaved so each sees the same load. Default: this one")
     ap.add_argument("--profile", metavar="DIR",
                     help="after the timed runs, one more run per case under cProfile: DIR/<case>.prof, "
                          "and the 20 functions with the most own time printed")
@@ -291,13 +306,18 @@ def main() -> int:
     cases = {n: CASES[n] for n in args.cases.split(",") if n}
     for extra in args.case:
         cases[f"{extra} cold"], cases[f"{extra} warm"] = (extra, True), (extra, False)
-    rows: dict[str, list[dict]] = {}
+    variants = {"this": None} if not args.variant else {
+        v.partition("=")[0]: str(Path(v.partition("=")[2]).resolve()) for v in args.variant}
+    VARIANTS.clear()
+    VARIANTS.update(variants)
+    rows: dict[tuple[str, str], list[dict]] = {}
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench_plan-") as tmp:
         for name, (overrides, cold) in cases.items():
             print(f"{name}: {overrides}", file=sys.stderr, flush=True)
-            rows[name] = bench_case(name.replace(" ", "_").replace("=", "-"), overrides, cold, args.runs,
-                                    Path(tmp), sys.executable)
+            by_variant = bench_case(name.replace(" ", "_").replace("=", "-"), overrides, cold, args.runs,
+                                    Path(tmp), sys.executable, variants)
+            rows.update({(name, v): results for v, results in by_variant.items()})
         if args.profile:
             for name, (overrides, cold) in cases.items():
                 print_profile(name, overrides, cold, Path(tmp), Path(args.profile), sys.executable)
@@ -306,7 +326,7 @@ def main() -> int:
           f"{os.cpu_count()} cores, load average {load_before[0]:.1f} before, {load_after[0]:.1f} after\n")
     print(table(rows))
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps({f"{n} [{v}]": r for (n, v), r in rows.items()}, indent=1))
     return 0
 
 
