@@ -11,7 +11,7 @@ from typing import Optional
 
 from launcher.config import ModelConfig
 from launcher.errors import ConfigError
-from launcher.trace import DEFAULT_CACHE_DIR
+from launcher.trace import DEFAULT_CACHE_DIR, installed_version
 
 # Encoder families whose config can build a *LMHeadModel but are not decoders.
 _ENCODER_ARCH_SUFFIXES = ("ForMaskedLM", "ForSequenceClassification", "ForTokenClassification",
@@ -80,9 +80,7 @@ def load_spec(mc: ModelConfig, cache_dir: Optional[str] = None) -> ModelSpec:
 
 
 def _spec_cache_path(hf: dict, cache_dir: Optional[str]) -> Path:
-    from importlib.metadata import version
-
-    blob = json.dumps([SPEC_FORMAT, version("transformers"), hf], sort_keys=True, default=str)
+    blob = json.dumps([SPEC_FORMAT, installed_version("transformers"), hf], sort_keys=True, default=str)
     digest = hashlib.sha256(blob.encode()).hexdigest()[:24]
     root = Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE_DIR.parent
     return root / "specs" / f"{digest}.json"

@@ -100,10 +100,7 @@ class StepTrace:
         nb = self.nbytes[sel]
         if rounding > 1:
             nb = -(-nb // rounding) * rounding
-        delta = np.zeros(self.num_events + 1, dtype=np.int64)
-        np.add.at(delta, self.alloc[sel], nb)
-        np.add.at(delta, free[sel], -nb)
-        return np.cumsum(delta)[: self.num_events]
+        return event_curve(self.alloc[sel], free[sel], nb, self.num_events)
 
     def phase_max(self, curve: np.ndarray, phase: str) -> int:
         a, b = self.phases[phase]
@@ -118,6 +115,22 @@ class StepTrace:
         cuts = [c for c in self.layer_bounds.get(phase, ()) if a < c < b]
         edges = [a, *sorted(cuts), b]
         return [(x, y) for x, y in zip(edges, edges[1:]) if y > x]
+
+
+def event_curve(alloc: np.ndarray, free: np.ndarray, nbytes: np.ndarray, num_events: int) -> np.ndarray:
+    """Live bytes after each of `num_events` events of storages of `nbytes` allocated at `alloc`
+    and freed at `free` (an event index; num_events = still alive). Summed with `np.bincount`
+    (float64 weights: exact while the total stays below 2**53 bytes, else `np.add.at`), which
+    is ~10x faster than `np.add.at` on a trace's rows."""
+    nbytes = np.asarray(nbytes, dtype=np.int64)
+    if int(np.abs(nbytes).sum()) < 2**53:
+        delta = (np.bincount(alloc, weights=nbytes, minlength=num_events + 1)
+                 - np.bincount(free, weights=nbytes, minlength=num_events + 1)).astype(np.int64)
+    else:
+        delta = np.zeros(num_events + 1, dtype=np.int64)
+        np.add.at(delta, alloc, nbytes)
+        np.add.at(delta, free, -nbytes)
+    return np.cumsum(delta)[:num_events]
 
 
 def extrapolate(v1: float, v2: float, num_layers: int, depth1: int = 1, depth2: int = 2) -> float:

@@ -613,18 +613,42 @@ def at_micro_batch(ta: StepTrace, tb: StepTrace, micro_batch_size: int) -> StepT
 
 # ----------------------------------------------------------------------------- cache
 
-DEFAULT_CACHE_DIR = Path("~/.cache/launcher/traces").expanduser()
-_FORMAT_VERSION = 6  # bump when the trace's content or file layout changes
+DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "launcher" / "traces"
+_FORMAT_VERSION = 6  # the tracer's version: bump when the trace's content or file layout changes
 _MEMO: dict[str, StepTrace] = {}
 _ROW_FIELDS = ("nbytes", "alloc", "free", "kind", "ready", "param", "itemsize", "op_class")
 _PARAM_FIELDS = ("numel", "element_size", "trainable", "role", "layer", "tied_to")
 
 
+def installed_version(dist: str) -> str:
+    """The version of an installed distribution, read once per process from its metadata (so a
+    cached plan never imports torch or transformers; `importlib.metadata.version` parses the
+    METADATA file on every call, ~2 ms each)."""
+    if dist not in _VERSIONS:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            _VERSIONS[dist] = version(dist)
+        except PackageNotFoundError:
+            _VERSIONS[dist] = ""
+    return _VERSIONS[dist]
+
+
+_VERSIONS: dict[str, str] = {}
+_KEY_HASHES: dict[TraceKey, str] = {}
+
+
 def cache_key(key: TraceKey) -> str:
     """Hash of the key and of what shapes the trace: torch and transformers versions (read from
-    the installed distributions, so a cached plan never imports either)."""
-    from importlib.metadata import version
+    the installed distributions, so a cached plan never imports either), peft's for a LoRA key
+    (its layers run in the trace), and the tracer's own version (`_FORMAT_VERSION`)."""
+    h = _KEY_HASHES.get(key)
+    if h is None:
+        h = _KEY_HASHES[key] = _cache_key(key)
+    return h
 
+
+def _cache_key(key: TraceKey) -> str:
     fields = dataclasses.asdict(key)
     for name in ("kbit_upcast", "gptq_group_size", "lora_dora", "lora_modules_to_save", "zero3_linear"):
         # unset: the key hashes as before the field existed
@@ -634,8 +658,10 @@ def cache_key(key: TraceKey) -> str:
         del fields["tp_size"]
     else:  # the shard layout (vocabulary padding multiple, `tp_padded_vocab`) is part of the trace
         fields["tp_layout"] = 4
-    blob = json.dumps([fields, version("torch"), version("transformers"),
-                       _FORMAT_VERSION], sort_keys=True)
+    versions = [installed_version("torch"), installed_version("transformers")]
+    if key.trainable == "lora":
+        fields["peft_version"] = installed_version("peft")
+    blob = json.dumps([fields, *versions, _FORMAT_VERSION], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
@@ -668,7 +694,7 @@ def _load(path: Path) -> StepTrace:
 
 def cached_trace(key: TraceKey, cache_dir: Optional[Path] = None) -> StepTrace:
     """`trace_step(key)`, memoized in-process and on disk under `cache_dir` (default
-    ~/.cache/launcher/traces). An unreadable cache file is traced again and rewritten."""
+    $XDG_CACHE_HOME/launcher/traces, ~/.cache/launcher/traces without it). An unreadable cache file is traced again and rewritten."""
     h = cache_key(key)
     if h in _MEMO:
         return _MEMO[h]
