@@ -26,10 +26,20 @@ def detect() -> Env:
     installed = {name for name in OPTIONAL if importlib.util.find_spec(name) is not None}
     if os.environ.get(COLOSSALAI_CPU_COMPAT_ENV):
         installed.add("colossalai_cpu")
-    versions = {}
-    for name in ("torch", "transformers", *OPTIONAL):
+    versions = {name: installed_version(name) for name in ("torch", "transformers", *OPTIONAL)}
+    return Env(frozenset(installed), {name: v for name, v in versions.items() if v})
+
+
+def installed_version(dist: str) -> str:
+    """The version of an installed distribution, read once per process from its metadata (so a
+    cached plan never imports torch or transformers; `importlib.metadata.version` parses the
+    METADATA file on every call, ~2 ms each)."""
+    if dist not in _VERSIONS:
         try:
-            versions[name] = version(name)
+            _VERSIONS[dist] = version(dist)
         except PackageNotFoundError:
-            pass
-    return Env(frozenset(installed), versions)
+            _VERSIONS[dist] = ""
+    return _VERSIONS[dist]
+
+
+_VERSIONS: dict[str, str] = {}

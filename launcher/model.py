@@ -11,7 +11,8 @@ from typing import Optional
 
 from launcher.config import ModelConfig
 from launcher.errors import ConfigError
-from launcher.trace import DEFAULT_CACHE_DIR, installed_version
+from launcher.environment import installed_version
+from launcher.trace import DEFAULT_CACHE_DIR
 
 # Encoder families whose config can build a *LMHeadModel but are not decoders.
 _ENCODER_ARCH_SUFFIXES = ("ForMaskedLM", "ForSequenceClassification", "ForTokenClassification",

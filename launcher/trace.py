@@ -41,6 +41,7 @@ from typing import Optional
 
 import numpy as np
 
+from launcher.environment import installed_version
 from launcher.gptq import GPTQ_BITS, gptq_stand_in
 from launcher.tp_shard import shard_model, shardable
 from launcher.steptrace import Kind, OpClass, ParamTable, Role, StepTrace, TraceSet
@@ -620,21 +621,6 @@ _ROW_FIELDS = ("nbytes", "alloc", "free", "kind", "ready", "param", "itemsize", 
 _PARAM_FIELDS = ("numel", "element_size", "trainable", "role", "layer", "tied_to")
 
 
-def installed_version(dist: str) -> str:
-    """The version of an installed distribution, read once per process from its metadata (so a
-    cached plan never imports torch or transformers; `importlib.metadata.version` parses the
-    METADATA file on every call, ~2 ms each)."""
-    if dist not in _VERSIONS:
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:
-            _VERSIONS[dist] = version(dist)
-        except PackageNotFoundError:
-            _VERSIONS[dist] = ""
-    return _VERSIONS[dist]
-
-
-_VERSIONS: dict[str, str] = {}
 _KEY_HASHES: dict[TraceKey, str] = {}
 
 

@@ -4,6 +4,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from launcher import environment
 from launcher import trace as tr
 from launcher.steptrace import event_curve
 
@@ -17,7 +18,7 @@ LORA = dataclasses.replace(KEY, trainable="lora", lora_r=8, lora_alpha=16)
 def versions(monkeypatch):
     """Installed versions as the key sees them, replaceable by the test."""
     fake = {"torch": "2.13.0", "transformers": "5.23.0", "peft": "0.21.2"}
-    monkeypatch.setattr(tr, "_VERSIONS", fake)
+    monkeypatch.setattr(environment, "_VERSIONS", fake)
     monkeypatch.setattr(tr, "_KEY_HASHES", {})
     return fake
 

@@ -15,20 +15,18 @@
 """
 from __future__ import annotations
 
-import inspect
-from functools import lru_cache
+import re
 
 from launcher.config import DDPConfig
+from launcher.environment import installed_version
 
 
-@lru_cache(maxsize=1)
 def buffer_sync_kwarg() -> str:
     """`forward_sync_buffers` on torch >= 2.13, else `broadcast_buffers`
-    (torch/nn/parallel/distributed.py DistributedDataParallel.__init__)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    params = inspect.signature(DistributedDataParallel.__init__).parameters
-    return "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
+    (torch/nn/parallel/distributed.py DistributedDataParallel.__init__), from the installed
+    version, so a plan does not import torch."""
+    major, minor = (int(x) for x in re.match(r"(\d+)\.(\d+)", installed_version("torch") or "0.0").groups())
+    return "forward_sync_buffers" if (major, minor) >= (2, 13) else "broadcast_buffers"
 
 
 def ddp_settings(ddp: DDPConfig) -> dict:
