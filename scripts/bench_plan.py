@@ -22,7 +22,7 @@ wrapping the functions that do them:
   trace <phase>  launcher.trace.trace_step, cut at its phases (build, forward, backward,
                  optimizer, record: turning the recorded rows into a StepTrace)
   trace cache    reading and writing the cached traces, their keys
-  layouts        launcher.memory.estimate_memory (framework layouts, allocator replay, runtime)
+  layouts        launcher.memory.estimate.estimate (framework layouts, allocator replay, runtime)
   speed          launcher.speed.estimate_speed and the host-time counts
   planner        the rest of launcher.planner.plan (enumeration, ranking, explanations)
   report         plan.json, exports, plan.html, the printed report
@@ -119,14 +119,15 @@ def child(argv: list[str], out_path: str) -> None:
     bootstrap._find_and_load = clock.wrap("imports", find_and_load)
     sys.modules["_frozen_importlib"]._find_and_load = bootstrap._find_and_load
     patches = [("hydra._internal.hydra", "Hydra.compose_config", "config"),
-               ("launcher.cli", "prepare_argv", "config"), ("launcher.app", "to_config", "config"),
+               ("launcher.cli", "prepare_argv", "config"), ("launcher.cli", "to_config", "config"),
+               ("launcher.app", "to_config", "config"),
                ("launcher.model", "load_spec", "model spec"),
                ("launcher.trace", "_load", "trace cache"), ("launcher.trace", "_save", "trace cache"),
                ("launcher.trace", "cache_key", "trace cache"),
-               ("launcher.memory", "estimate_memory", "layouts"),
+               ("launcher.memory.estimate", "estimate", "layouts"),
                ("launcher.speed", "estimate_speed", "speed"), ("launcher.host_time", "step_counts", "speed"),
                ("launcher.planner", "plan", "planner"),
-               ("launcher.report", "plan_to_dict", "report"), ("launcher.report", "print_plan", "report"),
+               ("launcher.report", "plan_to_dict", "report"), ("launcher.report_table", "print_plan", "report"),
                ("launcher.exports", "write", "report"), ("launcher.report_html", "write", "report")]
     for module, attr, phase in patches:
         _patch(clock, module, attr, phase)
