@@ -1,6 +1,6 @@
 """ColossalAI booster plugins: TorchDDP, LowLevelZero, Gemini and HybridParallel (TP, PP)."""
 from launcher.backends.base import Backend
-from launcher.backends.colossalai import comm, emit, layout, rules
+from launcher.backends.colossalai import comm, emit, layout, rules, runtime
 from launcher.types import Strategy
 
 BACKEND = Backend(
@@ -22,4 +22,5 @@ BACKEND = Backend(
     worker="launcher.backends.colossalai.worker:ColossalAIBackend",
     check_worker_config="launcher.backends.colossalai.worker:check_config",
     knobs=("colossalai", "ddp"),
+    interpreter=runtime.interpreter, attention=runtime.attention,
 )
