@@ -12,9 +12,12 @@ asserts the accelerator is cuda or npu; the pipeline's p2p check (colossalai/pip
 of torch newer than ColossalAI's pin lacks (on CUDA builds `is_nccl_available()` short-circuits
 it); and ColossalAI's GPT-2 forward calls `torch.cuda.set_device(hidden_states.device)` before
 each block (colossalai/shardformer/modeling/gpt2.py `gpt2_model_forward`), which raises for a CPU
-device. `apply()` replaces those methods with CPU equivalents
+device, and its gather of GPT-2's fused QKV weight for an unsharded checkpoint moves the shard
+to CUDA (colossalai/shardformer/layer/qkv_fused_linear.py `gather_fused_qkv_in_gpt2_style`:
+`qkv.cuda()`). `apply()` replaces those methods with CPU equivalents
 (torch's CPU RNG) or no-ops (CPU ops are synchronous: streams and events have nothing to wait
-for), makes `torch.cuda.set_device` ignore CPU devices, and keeps the sanity check's dtype test. None of this allocates tensors, so the memory a
+for), makes `torch.cuda.set_device` ignore CPU devices, runs the fused-QKV gather with
+`Tensor.cuda` answering the tensor itself, and keeps the sanity check's dtype test. None of this allocates tensors, so the memory a
 CPU run measures is ColossalAI's own. The emitter turns off communication overlap on CPU
 (launcher/backends/colossalai/emit.py), which would need streams.
 
@@ -125,6 +128,19 @@ def _ignoring_cpu(set_device, torch):
     return wrapped
 
 
+def _tensors_stay_on_cpu(fn, torch):
+    def wrapped(*args, **kwargs):
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *a, **k: self
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = cuda
+
+    setattr(wrapped, _MARK, True)
+    return wrapped
+
+
 def apply() -> list[str]:
     """Patch ColossalAI's CPU accelerator and LowLevelZero's sanity check; returns the names of
     the replaced accelerator methods. Idempotent."""
@@ -140,6 +156,11 @@ def apply() -> list[str]:
     LowLevelZeroOptimizer._sanity_checks = _dtype_checks_only
     if not getattr(torch.cuda.set_device, _MARK, False):
         torch.cuda.set_device = _ignoring_cpu(torch.cuda.set_device, torch)
+    from colossalai.shardformer.layer import qkv_fused_linear
+
+    gather = qkv_fused_linear.gather_fused_qkv_in_gpt2_style
+    if not getattr(gather, _MARK, False):
+        qkv_fused_linear.gather_fused_qkv_in_gpt2_style = _tensors_stay_on_cpu(gather, torch)
     if not hasattr(torch.distributed, "is_hccl_available"):
         torch.distributed.is_hccl_available = lambda: False
     return replaced

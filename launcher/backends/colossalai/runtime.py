@@ -28,10 +28,14 @@ def uses_shardformer(strategy: Strategy) -> bool:
     return strategy.tp_size > 1 or strategy.pp_size > 1 or strategy.name in ("cai_tp", "cai_pp")
 
 
-# Model types whose shardformer policy keeps transformers' SDPA attention (ColossalAI 0.5.0
-# colossalai/shardformer/policies/*.py): OPT's policy maps only eager and flash_attention_2
-# (opt.py ATTN_IMPLEMENTATION, KeyError 'sdpa'), and BLOOM has no SDPA in transformers 4.51.
-SDPA_POLICIES = frozenset({"llama", "mistral", "qwen2", "gpt2"})
+# Model types whose shardformer forwards keep transformers' SDPA attention correct (ColossalAI 0.5.0
+# colossalai/shardformer/{policies,modeling}/*.py under transformers 4.51). Eager elsewhere:
+# - OPT's policy maps only eager and flash_attention_2 (policies/opt.py ATTN_IMPLEMENTATION: KeyError 'sdpa');
+# - BLOOM has no SDPA path in transformers 4.51;
+# - GPT-2's pipeline forward always builds a padding-only mask from `attention_mask`
+#   (modeling/gpt2.py `_get_attention_mask`), so transformers' SDPA path sees a mask, sets
+#   `is_causal=False` and attends to later tokens; the eager path applies GPT-2's causal `bias`.
+SDPA_POLICIES = frozenset({"llama", "mistral", "qwen2"})
 
 
 def attention(strategy: Strategy, model_type: str, planned: str) -> str:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from launcher.backends.colossalai import cpu, transformers_tp
+from launcher.backends.colossalai import cpu
 from launcher.errors import ConfigError
 from launcher.worker import layout
 from launcher.worker.optim import make_optimizer, make_scheduler
@@ -67,14 +67,12 @@ def plugin_class(name: str):
 
 def launch(seed: int, device: str) -> None:
     """Join the process group through ColossalAI (it picks gloo on its CPU accelerator, nccl on
-    CUDA: colossalai/initialize.py `launch`), after the CPU shim on CPU processes and the
-    transformers-5 shardformer forwards (launcher/backends/colossalai/transformers_tp.py)."""
+    CUDA: colossalai/initialize.py `launch`), after the CPU shim on CPU processes."""
     import colossalai
 
     if device == "cpu":
         cpu.apply()
 
-    transformers_tp.apply()
     colossalai.launch_from_torch(seed=seed, verbose=False)
 
 
