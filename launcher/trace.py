@@ -470,14 +470,22 @@ def _unpacked_sequences():
 def _sdpa_as_transformers4():
     """SDPA attention as transformers 4.51 runs it (the version ColossalAI's shardformer runs in,
     launcher/backends/colossalai/runtime.py): `sdpa_attention_forward` always expands grouped
-    key/value heads with `repeat_kv` (new tensors SDPA saves for backward), where transformers 5
-    passes `enable_gqa=True` to SDPA without a mask (`use_gqa_in_sdpa`)."""
+    key/value heads with `repeat_kv`, where transformers 5 passes `enable_gqa=True` to SDPA without
+    a mask (`use_gqa_in_sdpa`), and then calls `.contiguous()` on query, key and value (a copy
+    each for a repeated single key/value head, a stride-0 view, or a transposed value)."""
+    import torch
     from transformers.integrations import sdpa_attention
 
     if not hasattr(sdpa_attention, "use_gqa_in_sdpa"):
         yield
         return
-    with mock.patch.object(sdpa_attention, "use_gqa_in_sdpa", lambda *a, **k: False):
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def contiguous_sdpa(query, key, value, *args, **kwargs):
+        return sdpa(query.contiguous(), key.contiguous(), value.contiguous(), *args, **kwargs)
+
+    with mock.patch.object(sdpa_attention, "use_gqa_in_sdpa", lambda *a, **k: False), \
+            mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", contiguous_sdpa):
         yield
 
 
