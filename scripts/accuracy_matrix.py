@@ -391,6 +391,23 @@ def load_results(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+KEPT_SECTIONS = ("## ColossalAI shardformer runs",)
+"""Sections of accuracy.md written by hand (runs outside the matrix), kept before "## Speed ranking"."""
+
+
+def keep_hand_sections(text: str, path: Path) -> str:
+    old = path.read_text() if path.exists() else ""
+    kept = []
+    for title in KEPT_SECTIONS:
+        start = old.find(title)
+        if start >= 0:
+            end = old.find("\n## ", start + len(title))
+            kept.append(old[start:end + 1 if end >= 0 else len(old)])
+    if not kept or "## Speed ranking" not in text:
+        return text
+    return text.replace("## Speed ranking", "".join(kept) + "## Speed ranking", 1)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a subset of the matrix")
@@ -449,7 +466,7 @@ def main() -> int:
     docs = Path(args.docs)
     docs.mkdir(parents=True, exist_ok=True)
     write_csv(rows, docs / "accuracy.csv")
-    (docs / "accuracy.md").write_text(markdown(rows, rank, meta))
+    (docs / "accuracy.md").write_text(keep_hand_sections(markdown(rows, rank, meta), docs / "accuracy.md"))
     (out_dir / "ranking.json").write_text(json.dumps(rank, indent=2) + "\n")
     print(f"{len(results)} cells ({time.perf_counter() - start:.0f} s this run); kendall tau {rank['kendall_tau']}; "
           f"worst chosen-vs-best {rank['worst_chosen_slower_percent']}%; wrote {docs / 'accuracy.md'}")
