@@ -31,6 +31,7 @@ from pathlib import Path
 import yaml
 from launcher.runspec import RunSpec
 from launcher.errors import ConfigError
+from launcher.launch import worker_python
 
 CALIBRATION_MODEL = "tiny-llama"
 SEQ_LEN, MICRO_BATCH, WARMUP_STEPS = 16, 1, 3
@@ -63,7 +64,7 @@ def retime_s(run_dir: Path, steps: int, warmup: int, num_procs: int, env: dict |
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
     replace(spec, run_dir=str(out), max_steps=steps + warmup, log_every=steps + warmup).save(out / "run.json")
-    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={num_procs}", "--standalone",
+    argv = [worker_python(spec.backend, spec.strategy), "-m", "torch.distributed.run", f"--nproc-per-node={num_procs}", "--standalone",
             "-m", "launcher.worker", str(out / "run.json")]
     env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or num_procs) // num_procs))}
     for _ in range(2):

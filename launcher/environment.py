@@ -1,20 +1,25 @@
 """Facts about the machine a plan is made on, gathered once at the edge (launcher/app.py) and
 handed to the planner as a value: which optional packages are installed, their versions, and
-whether ColossalAI's CPU test layer is preloaded."""
+whether a Python that runs ColossalAI's shardformer (transformers 4.x) is at hand."""
 from __future__ import annotations
 
 import importlib.util
 import os
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Optional
 
 OPTIONAL = ("colossalai", "deepspeed", "bitsandbytes")
-COLOSSALAI_CPU_COMPAT_ENV = "LAUNCHER_COLOSSALAI_TEST_PRELOAD"  # launcher/backends/colossalai/worker.py
+COLOSSALAI_PYTHON_ENV = "LAUNCHER_COLOSSALAI_PYTHON"  # launcher/backends/colossalai/runtime.py
+COLOSSALAI_VENV = ".venv-colossalai"  # built by scripts/setup next to .venv
+COLOSSALAI_TRANSFORMERS_MAJOR = 4  # ColossalAI 0.5.0 pins transformers==4.51.3
+SHARDFORMER = "colossalai_shardformer"  # Env.installed flag: some Python here runs ColossalAI's shardformer
 
 
 @dataclass(frozen=True)
 class Env:
-    installed: frozenset = frozenset()  # optional packages present, plus flags ('colossalai_cpu')
+    installed: frozenset = frozenset()  # optional packages present, plus flags ('colossalai_shardformer')
     versions: dict = field(default_factory=dict)  # distribution -> version
 
     def major(self, package: str) -> int:
@@ -24,10 +29,28 @@ class Env:
 def detect() -> Env:
     """The installed optional packages (found without importing them) and versions."""
     installed = {name for name in OPTIONAL if importlib.util.find_spec(name) is not None}
-    if os.environ.get(COLOSSALAI_CPU_COMPAT_ENV):
-        installed.add("colossalai_cpu")
-    versions = {name: installed_version(name) for name in ("torch", "transformers", *OPTIONAL)}
-    return Env(frozenset(installed), {name: v for name, v in versions.items() if v})
+    versions = {name: v for name in ("torch", "transformers", *OPTIONAL) if (v := installed_version(name))}
+    if "colossalai" in installed and shardformer_python(versions.get("transformers", "0")) is not None:
+        installed.add(SHARDFORMER)
+    return Env(frozenset(installed), versions)
+
+
+def colossalai_python() -> Optional[str]:
+    """The Python of the ColossalAI environment: $LAUNCHER_COLOSSALAI_PYTHON, else
+    `.venv-colossalai/bin/python` in the repository this package is loaded from; None if absent."""
+    named = os.environ.get(COLOSSALAI_PYTHON_ENV)
+    if named:
+        return named if os.path.exists(named) else None
+    path = Path(__file__).resolve().parents[1] / COLOSSALAI_VENV / "bin" / "python"
+    return str(path) if path.exists() else None
+
+
+def shardformer_python(transformers_version: str) -> Optional[str]:
+    """The Python that runs ColossalAI's shardformer: '' for this one (its transformers is 4.x),
+    the ColossalAI environment's path, or None when there is none."""
+    if int((transformers_version or "0").split(".")[0]) == COLOSSALAI_TRANSFORMERS_MAJOR:
+        return ""
+    return colossalai_python()
 
 
 def installed_version(dist: str) -> str:

@@ -253,7 +253,8 @@ def resume_run(config, quiet: bool = False) -> int:
     spec_path = spec_dir / f"run-resume-{num}.json"
     spec.save(spec_path)
     env = launch.job_env(config)
-    job = launch.Job(tuple(launch.torchrun_argv(config, spec_path)), env, spec_dir, config.gpus)
+    python = launch.worker_python(spec.backend, spec.strategy)
+    job = launch.Job(tuple(launch.torchrun_argv(config, spec_path, python)), env, spec_dir, config.gpus)
     script = spec_dir / f"launch_command-resume-{num}.sh"
     script.write_text("\n".join(["#!/usr/bin/env bash", "set -euo pipefail",
                                  *(f"export {k}={shlex.quote(v)}" for k, v in env.items()), job.command_line, ""]))

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.config import LauncherConfig
-from launcher.model import ModelSpec
+from launcher.model import ModelSpec, effective_attention
 from launcher.runspec import RunSpec
 from launcher.shell import shell_word  # quotes, but keeps ${MASTER_ADDR}/${RUN_ID} expandable
-from launcher.types import Candidate, Plan
+from launcher.types import Candidate, Plan, Strategy
+from launcher.backends import registry
 from launcher.emit import emit
 from launcher.planner import backend_knobs
 from launcher.recipes import installed_versions # provenance of measured numbers (recipe_from=)
@@ -33,11 +34,21 @@ class Job:
         return " ".join(shell_word(a) for a in self.argv)
 
 
-def torchrun_argv(config: LauncherConfig, run_json: Path) -> list[str]:
-    """torchrun (torch.distributed.run) for this plan: one process per GPU (per CPU rank with
-    hardware=cpu); single node uses --standalone, several nodes a c10d rendezvous."""
+def worker_python(backend: str, strategy: str) -> str:
+    """The Python the ranks of `strategy` run with: the backend's choice (`Backend.interpreter`,
+    e.g. ColossalAI's shardformer strategies in the environment with its transformers version),
+    else the launcher's own."""
+    hook = registry.get(backend).interpreter
+    template = registry.STRATEGIES.get(strategy) or Strategy(strategy, backend)
+    return (hook(template) if hook else None) or sys.executable
+
+
+def torchrun_argv(config: LauncherConfig, run_json: Path, python: str = sys.executable) -> list[str]:
+    """torchrun (torch.distributed.run) for this plan, run by `python` (`worker_python`): one process
+    per GPU (per CPU rank with hardware=cpu); single node uses --standalone, several nodes a c10d
+    rendezvous."""
     per_node = config.gpus // config.nodes
-    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={per_node}"]
+    argv = [python, "-m", "torch.distributed.run", f"--nproc-per-node={per_node}"]
     if config.nodes == 1:
         argv.append("--standalone")
     else:
@@ -55,7 +66,8 @@ def run_spec(c: Candidate, config: LauncherConfig, spec: ModelSpec, run_dir: Pat
         hf_config=spec.hf_config, init=config.init.name, pretrained_path=config.model.pretrained_path,
         tokenizer_path=config.model.tokenizer_path, trust_remote_code=config.model.trust_remote_code,
         device=config.hardware.device, precision=t.precision.name, optimizer=t.optimizer.name,
-        attn_implementation=t.attn_implementation.name,
+        attn_implementation=registry.backend_of(c.strategy).attention_of(
+            c.strategy, spec.model_type, effective_attention(spec, t.attn_implementation.name)[0]),
         gradient_checkpointing=t.gradient_checkpointing or c.gradient_checkpointing, peft=c.peft or {},
         seq_len=t.seq_len, micro_batch_size=c.micro_batch_size, grad_accum_steps=c.grad_accum_steps,
         max_steps=t.max_steps, learning_rate=t.learning_rate, weight_decay=t.weight_decay,
@@ -93,7 +105,7 @@ def prepare(plan: Plan, config: LauncherConfig, spec: ModelSpec, run_dir: Path) 
     (run_dir / filename).write_text(json.dumps(framework, indent=2, sort_keys=True) + "\n")
     run_json = run_dir / "run.json"
     run_spec(c, config, spec, run_dir, framework).save(run_json)
-    argv = torchrun_argv(config, run_json)
+    argv = torchrun_argv(config, run_json, worker_python(c.strategy.backend, c.strategy.name))
     env = job_env(config)
     job = Job(tuple(argv), env, run_dir, config.gpus)
     script = ["#!/usr/bin/env bash", "# Re-run this training exactly as launched.", "set -euo pipefail",
@@ -110,7 +122,7 @@ def check(job: Job) -> None:
     """Validate run.json in one process (model, tokenizer, dataset, framework config) before
     torchrun starts, so a bad input is one line, not a failure on every rank."""
     run_json = job.argv[-1]
-    proc = subprocess.run([sys.executable, "-m", "launcher.worker", "--check", run_json],
+    proc = subprocess.run([job.argv[0], "-m", "launcher.worker", "--check", run_json],
                           env={**os.environ, **job.env, "WORLD_SIZE": str(job.world_size)},
                           capture_output=True, text=True)
     if proc.returncode != 0:

@@ -23,7 +23,7 @@ from pathlib import Path
 from launcher.config import LauncherConfig
 from launcher.runspec import RunSpec
 from launcher.errors import ConfigError
-from launcher.launch import torchrun_argv
+from launcher.launch import torchrun_argv, worker_python
 from launcher.worker.metrics import error_percent
 
 MIB = 2**20
@@ -37,7 +37,7 @@ def run_pass(job, config: LauncherConfig, name: str, *, steps: int, measure_memo
     spec = replace(base, run_dir=str(sub), max_steps=steps, measure_memory=measure_memory,
                    checkpoint_every=0, resume=False, log_every=max(1, steps))
     spec.save(sub / "run.json")
-    argv = torchrun_argv(config, sub / "run.json")
+    argv = torchrun_argv(config, sub / "run.json", worker_python(spec.backend, spec.strategy))
     with open(sub / "train.log", "w") as log:
         rc = subprocess.run(argv, env={**os.environ, **job.env}, stdout=log, stderr=subprocess.STDOUT).returncode
     if not config.measure.keep_checkpoints:

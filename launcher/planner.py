@@ -11,6 +11,7 @@ from dataclasses import replace
 from launcher import host_time, speed, trace
 from launcher.backends import registry
 from launcher.backends.base import Ask
+from launcher.backends.colossalai import runtime as colossalai_runtime
 from launcher.backends.registry import backend_of
 from launcher.config import LauncherConfig
 from launcher.environment import Env, detect
@@ -100,9 +101,9 @@ def launch_problem(strategy: Strategy, spec: ModelSpec, peft: dict | None = None
     """Why a candidate that fits cannot be launched with the installed libraries, or ''. QLoRA of a
     mixture of experts whose experts are 3D parameters: the estimate quantizes them per expert
     (launcher/peft.py `expert_parameters`), the worker's bitsandbytes conversion covers nn.Linear only. It stays in
-    the plan as an estimate but is never chosen. ColossalAI 0.5.0's shardformer forwards target
-    transformers 4.51; on transformers 5 the worker supplies tensor-parallel forwards for Llama
-    only (launcher/backends/colossalai/transformers_tp.py). A vocabulary that tp does not divide is
+    the plan as an estimate but is never chosen. ColossalAI 0.5.0's shardformer forwards (tp, pp)
+    need transformers 4.51: they run in the ColossalAI environment
+    (launcher/backends/colossalai/runtime.py), estimate only without one. A vocabulary that tp does not divide is
     padded, and ColossalAI 0.5.0 cannot checkpoint a padded layer's optimizer state
     (launcher/backends/colossalai/emit.py `vocab_multiple`)."""
     if str((peft or {}).get("quant_type")).startswith("gptq"):
@@ -116,16 +117,8 @@ def launch_problem(strategy: Strategy, spec: ModelSpec, peft: dict | None = None
     if spec.vocab_size % strategy.tp_size:
         return (f"tp_size={strategy.tp_size} does not divide the vocabulary ({spec.vocab_size}): ColossalAI pads it and "
                 "cannot checkpoint the padded layers' optimizer state: estimate only")
-    installed = (env or detect()).versions.get("transformers", "0")
-    if int(installed.split(".")[0]) < 5:
-        return ""
-    if strategy.pp_size > 1:
-        return (f"ColossalAI 0.5.0's pipeline forwards target transformers 4.51 (its pinned version) and "
-                f"fail with transformers {installed}: estimate only")
-    if spec.model_type != "llama":
-        return (f"ColossalAI 0.5.0's {spec.model_type} tensor-parallel forwards target transformers 4.51 and fail "
-                f"with transformers {installed} (Llama runs): estimate only")
-    return ""
+    env = env or detect()
+    return colossalai_runtime.launch_problem(strategy, env.installed, env.versions.get("transformers", "0"))
 
 
 def traced(config: LauncherConfig, spec: ModelSpec, strategy: Strategy, wl: Workload, lora=None):
@@ -141,7 +134,9 @@ def trace_key(spec: ModelSpec, strategy: Strategy, wl: Workload, lora=None):
     request.update(trace_fields(lora, strategy.backend, request))
     return trace.TraceKey(hf_config_json=trace.canonical_config_json(spec.hf_config),
                           num_layers=spec.num_layers, micro_batch_size=wl.micro_batch_size,
-                          seq_len=wl.seq_len, attn_implementation=wl.attn_implementation,
+                          seq_len=wl.seq_len,
+                          attn_implementation=backend_of(strategy).attention_of(strategy, spec.model_type,
+                                                                                wl.attn_implementation),
                           gradient_checkpointing=wl.gradient_checkpointing, **request)
 
 

@@ -92,6 +92,7 @@ class TraceKey:
     zero3_linear: bool = False  # F.linear saves input, weight and bias (DeepSpeed ZeRO-3, `_zero3_linear`)
     adapter_autocast: bool = True  # peft autocast_adapter_dtype (fp32 adapters on a 16-bit model)
     tp_size: int = 1  # >1: trace one tensor-parallel rank's shard model (`tp_shard_config`)
+    transformers4: bool = False  # the model as transformers 4.51 runs it (`_sdpa_as_transformers4`, `_transformers4_buffers`)
 
     def __post_init__(self):
         _check(self.param_dtype, PARAM_DTYPES, "param_dtype")
@@ -318,6 +319,8 @@ def _run_step(key: TraceKey, rec: _Recorder, marks: dict, grads: dict):
     model = AutoModelForCausalLM.from_config(
         build_config(key), dtype=dtype, attn_implementation=_traced_attn(key))
     model.train()
+    if key.transformers4:
+        _transformers4_buffers(model)
     if key.tp_size > 1 and model.config.model_type not in TP_SHARDABLE:  # its family's rule (tp_shard.py)
         shard_model(model, key.tp_size, tp_padded_vocab(model.config.vocab_size, key.tp_size))
     if key.gradient_checkpointing:
@@ -464,6 +467,44 @@ def _unpacked_sequences():
         yield
 
 
+@contextlib.contextmanager
+def _sdpa_as_transformers4():
+    """SDPA attention as transformers 4.51 runs it (the version ColossalAI's shardformer runs in,
+    launcher/backends/colossalai/runtime.py): `sdpa_attention_forward` always expands grouped
+    key/value heads with `repeat_kv`, where transformers 5 passes `enable_gqa=True` to SDPA without
+    a mask (`use_gqa_in_sdpa`), and then calls `.contiguous()` on query, key and value (a copy
+    each for a repeated single key/value head, a stride-0 view, or a transposed value)."""
+    import torch
+    from transformers.integrations import sdpa_attention
+
+    if not hasattr(sdpa_attention, "use_gqa_in_sdpa"):
+        yield
+        return
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def contiguous_sdpa(query, key, value, *args, **kwargs):
+        return sdpa(query.contiguous(), key.contiguous(), value.contiguous(), *args, **kwargs)
+
+    with mock.patch.object(sdpa_attention, "use_gqa_in_sdpa", lambda *a, **k: False), \
+            mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", contiguous_sdpa):
+        yield
+
+
+def _transformers4_buffers(model) -> None:
+    """Buffers transformers 4.51 models hold that transformers 5 dropped: GPT-2's attention keeps
+    its causal mask as a bool `bias` buffer of n_positions x n_positions per layer
+    (modeling_gpt2.py `GPT2Attention.__init__`, used by its eager attention)."""
+    import torch
+
+    if model.config.model_type != "gpt2":
+        return
+    n = model.config.max_position_embeddings
+    for module in model.modules():
+        if type(module).__name__ == "GPT2Attention" and not hasattr(module, "bias"):
+            mask = torch.tril(torch.ones((n, n), dtype=torch.bool)).view(1, 1, n, n)
+            module.register_buffer("bias", mask, persistent=False)
+
+
 def _traced_attn(key: TraceKey) -> str:
     return "sdpa" if key.attn_implementation == "flash_attention_2" else key.attn_implementation
 
@@ -536,7 +577,8 @@ def trace_step(key: TraceKey) -> StepTrace:
 
     rec, marks, grads = _Recorder(), {}, {}
     linear = _zero3_linear() if key.zero3_linear else contextlib.nullcontext()
-    with _unpacked_sequences(), linear, FakeTensorMode(allow_non_fake_inputs=True), _dispatch_mode(rec):
+    sdpa = _sdpa_as_transformers4() if key.transformers4 else contextlib.nullcontext()
+    with _unpacked_sequences(), linear, sdpa, FakeTensorMode(allow_non_fake_inputs=True), _dispatch_mode(rec):
         model, opt = _run_step(key, rec, marks, grads)
         n, num_events = len(rec.nbytes), marks["end"]  # later frees and rows are not the step's
         params, param_rows = _param_table(model, rec)
@@ -636,7 +678,8 @@ def cache_key(key: TraceKey) -> str:
 
 def _cache_key(key: TraceKey) -> str:
     fields = dataclasses.asdict(key)
-    for name in ("kbit_upcast", "gptq_group_size", "lora_dora", "lora_modules_to_save", "zero3_linear"):
+    for name in ("kbit_upcast", "gptq_group_size", "lora_dora", "lora_modules_to_save", "zero3_linear",
+                 "transformers4"):
         # unset: the key hashes as before the field existed
         if not fields.get(name):
             fields.pop(name, None)

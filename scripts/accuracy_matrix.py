@@ -44,7 +44,7 @@ SMALL_BUCKETS = ["deepspeed.reduce_bucket_size=200000", "deepspeed.allgather_buc
 NO_SDPA = {"tiny-bloom", "small-bloom"}  # transformers' BLOOM has no sdpa attention
 
 
-COLOSSALAI_ON_CPU = {"cai_ddp", "cai_zero1", "cai_zero2", "cai_tp"}  # run under tests/colossalai_cpu_compat.py
+COLOSSALAI_ON_CPU = {"cai_ddp", "cai_zero1", "cai_zero2", "cai_tp"}  # cai_tp in .venv-colossalai (README "ColossalAI")
 
 
 def cell(model, size, strategy, precision, ckpt=False, attn="sdpa", buckets="small", peft="none") -> dict:
@@ -73,6 +73,8 @@ def full_cells(strategies: list[str]) -> list[dict]:
     first += [cell("small-llama", "small", "ddp", "32-true", peft="lora")]
     first += [cell("tiny-llama", "tiny", s, "32-true") for s in sorted(COLOSSALAI_ON_CPU)]
     first += [cell("tiny-llama", "tiny", "cai_tp", "bf16-mixed"), cell("small-llama", "small", "cai_tp", "32-true")]
+    first += [cell("tiny-bloom", "tiny", "cai_tp", "32-true")]
+    first += [cell(m, "tiny", "cai_pp", "32-true") for m in SIZES["tiny"][0]]  # in .venv-colossalai
     first += [cell(m, "small", s, "32-true") for m in SIZES["small"][0] for s in strategies]
     first += [cell("tiny-bloom", "tiny", s, "32-true") for s in strategies]
     first += [cell("tiny-bloom", "tiny", s, "32-true", ckpt=True) for s in variants]
@@ -116,13 +118,10 @@ put the median within ~2%."""
 
 
 def cell_env(c: dict) -> dict:
-    """Environment additions of a cell's processes: offline, and for ColossalAI on CPU its test
-    compatibility layer (ColossalAI's CPU accelerator leaves RNG and stream methods unimplemented)."""
-    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    if c["strategy"] in COLOSSALAI_ON_CPU:
-        env.update(LAUNCHER_COLOSSALAI_TEST_PRELOAD="tests.colossalai_cpu_compat",
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    return env
+    """Environment additions of a cell's processes: offline, and this checkout on PYTHONPATH (the
+    ColossalAI environment's ranks import the launcher from it)."""
+    return {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 
 
 def run_cell(c: dict, hardware: str, out_dir: Path) -> dict:
@@ -392,6 +391,23 @@ def load_results(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+KEPT_SECTIONS = ("## ColossalAI shardformer runs",)
+"""Sections of accuracy.md written by hand (runs outside the matrix), kept before "## Speed ranking"."""
+
+
+def keep_hand_sections(text: str, path: Path) -> str:
+    old = path.read_text() if path.exists() else ""
+    kept = []
+    for title in KEPT_SECTIONS:
+        start = old.find(title)
+        if start >= 0:
+            end = old.find("\n## ", start + len(title))
+            kept.append(old[start:end + 1 if end >= 0 else len(old)])
+    if not kept or "## Speed ranking" not in text:
+        return text
+    return text.replace("## Speed ranking", "".join(kept) + "## Speed ranking", 1)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a subset of the matrix")
@@ -440,8 +456,6 @@ def main() -> int:
             "load": f"{min(load_values):.1f}-{max(load_values):.1f}" if load_values else "unknown",
             "profile": profile_line(args.hardware),
             "commands": ["scripts/setup",
-                         "export LAUNCHER_COLOSSALAI_TEST_PRELOAD=tests.colossalai_cpu_compat PYTHONPATH=$PWD"
-                         "   # ColossalAI cells on CPU",
                          ".venv/bin/python -m launcher mode=calibrate hardware=cpu gpus=2 "
                          "'calibrate.frameworks=[ddp,zero0,zero1,zero2,zero3,cai_ddp,cai_zero1,cai_zero2,cai_tp]' "
                          "hydra.run.dir=runs/calibrate   # this machine's speed profile (~8 min)",
@@ -452,7 +466,7 @@ def main() -> int:
     docs = Path(args.docs)
     docs.mkdir(parents=True, exist_ok=True)
     write_csv(rows, docs / "accuracy.csv")
-    (docs / "accuracy.md").write_text(markdown(rows, rank, meta))
+    (docs / "accuracy.md").write_text(keep_hand_sections(markdown(rows, rank, meta), docs / "accuracy.md"))
     (out_dir / "ranking.json").write_text(json.dumps(rank, indent=2) + "\n")
     print(f"{len(results)} cells ({time.perf_counter() - start:.0f} s this run); kendall tau {rank['kendall_tau']}; "
           f"worst chosen-vs-best {rank['worst_chosen_slower_percent']}%; wrote {docs / 'accuracy.md'}")

@@ -102,6 +102,10 @@ class Backend:
       them (pipeline schedules); None: the planner's accumulation.
     - `to_neutral`: 'module:function' converting its checkpoint to torch's layout-neutral form
       (launcher/worker/layout.py), run by the launcher; None when it writes that form already.
+    - `interpreter(strategy)`: the Python torchrun and the ranks run with (a path), or None for the
+      launcher's own (launcher/launch.py `worker_python`).
+    - `attention(strategy, model_type, planned)`: the attention implementation its ranks run when
+      the framework replaces the model's attention (None: the planned one).
     """
 
     name: str
@@ -120,6 +124,12 @@ class Backend:
     expand: Optional[Callable[..., list]] = None  # (template, config, spec) -> its layouts over TP/PP degrees
     grad_accum: Optional[Callable[..., int]] = None  # (strategy, config, accumulation) -> the step's micro-batches
     to_neutral: Optional[str] = None  # 'module:function' writing its checkpoint in torch's form; None: it is already
+    interpreter: Optional[Callable[[Strategy], Optional[str]]] = None  # the ranks' Python; None: the launcher's
+    attention: Optional[Callable[[Strategy, str, str], str]] = None  # (strategy, model_type, planned) -> what runs
+
+    def attention_of(self, strategy: Strategy, model_type: str, planned: str) -> str:
+        """The attention implementation `strategy`'s ranks run for `planned` (what the estimate traces)."""
+        return self.attention(strategy, model_type, planned) if self.attention else planned
 
     def refusal(self, strategy: Strategy, ask: Ask) -> str:
         """Why `strategy` cannot run `ask`: the capability table first, then the backend's own rule."""

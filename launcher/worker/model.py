@@ -73,8 +73,9 @@ def build_model(spec, config, plan: PrecisionPlan):
 
     lora = lora_settings(spec)
     dtype = getattr(torch, lora.compute_dtype if lora and lora.quant_type else plan.model_dtype)
-    common = dict(dtype=dtype, attn_implementation=spec.attn_implementation,
+    common = dict(attn_implementation=spec.attn_implementation,
                   trust_remote_code=spec.trust_remote_code)
+    common[dtype_keyword()] = dtype
     if spec.init == "random":
         model = AutoModelForCausalLM.from_config(config, **common)
     elif spec.init == "pretrained":
@@ -90,6 +91,14 @@ def build_model(spec, config, plan: PrecisionPlan):
     if lora is not None:
         model = apply_peft(model, spec, lora)
     return model
+
+
+def dtype_keyword() -> str:
+    """`dtype` (transformers 5) or `torch_dtype` (transformers 4, e.g. the ColossalAI environment,
+    launcher/backends/colossalai/runtime.py) in `from_config` / `from_pretrained`."""
+    import transformers
+
+    return "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
 
 
 def lora_settings(spec):

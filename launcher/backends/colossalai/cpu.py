@@ -1,17 +1,26 @@
-"""TEST COMPATIBILITY LAYER: lets ColossalAI 0.5.0's LowLevelZeroPlugin and HybridParallelPlugin
-run on CPU processes (gloo) in the integration tests. Never imported by the product.
+"""ColossalAI on CPU processes: the CPU shim the worker applies before `launch_from_torch` when a
+run's device is cpu (launcher/backends/colossalai/worker.py `launch`). Never applied on CUDA.
 
-ColossalAI's CPU accelerator (colossalai/accelerator/cpu_accelerator.py `CpuAccelerator`) raises
-"this method is not supported for cpu accelerator" for the RNG-state, seeding, stream/event,
-synchronize, device-query and memory-statistics methods that those plugins call on every step;
-its `get_rng_state(device)` passes the device to `torch.get_rng_state()`, which takes no
-argument; and `LowLevelZeroOptimizer._sanity_checks` asserts the accelerator is cuda or npu.
-`apply()` replaces those methods with CPU equivalents (torch's CPU RNG) or no-ops (CPU ops are
-synchronous: streams and events have nothing to wait for), and keeps the sanity check's dtype
-test. None of this allocates tensors, so the memory a run measures is ColossalAI's own.
+ColossalAI 0.5.0 picks its CPU accelerator by itself on a gloo process group
+(colossalai/accelerator/cpu_accelerator.py `CpuAccelerator`), but that accelerator raises "this
+method is not supported for cpu accelerator" for the RNG-state, seeding, stream/event,
+synchronize, device-query and memory-statistics methods that LowLevelZeroPlugin and
+HybridParallelPlugin call on every step; its `get_rng_state(device)` passes the device to
+`torch.get_rng_state()`, which takes no argument; and `LowLevelZeroOptimizer._sanity_checks`
+asserts the accelerator is cuda or npu; the pipeline's p2p check (colossalai/pipeline/p2p.py
+`_check_for_nccl_hccl_backend`) calls `torch.distributed.is_hccl_available`, which a CPU build
+of torch newer than ColossalAI's pin lacks (on CUDA builds `is_nccl_available()` short-circuits
+it); and ColossalAI's GPT-2 forward calls `torch.cuda.set_device(hidden_states.device)` before
+each block (colossalai/shardformer/modeling/gpt2.py `gpt2_model_forward`), which raises for a CPU
+device, and its gather of GPT-2's fused QKV weight for an unsharded checkpoint moves the shard
+to CUDA (colossalai/shardformer/layer/qkv_fused_linear.py `gather_fused_qkv_in_gpt2_style`:
+`qkv.cuda()`). `apply()` replaces those methods with CPU equivalents
+(torch's CPU RNG) or no-ops (CPU ops are synchronous: streams and events have nothing to wait
+for), makes `torch.cuda.set_device` ignore CPU devices, runs the fused-QKV gather with
+`Tensor.cuda` answering the tensor itself, and keeps the sanity check's dtype test. None of this allocates tensors, so the memory a
+CPU run measures is ColossalAI's own. The emitter turns off communication overlap on CPU
+(launcher/backends/colossalai/emit.py), which would need streams.
 
-The worker imports this module before ColossalAI launches when the test sets
-LAUNCHER_COLOSSALAI_TEST_PRELOAD=tests.colossalai_cpu_compat (launcher/backends/colossalai/worker.py).
 GeminiPlugin is not made to run: it has no fp32 path on CPU and its bf16 chunk handling fails.
 """
 from __future__ import annotations
@@ -106,6 +115,32 @@ def _dtype_checks_only(self) -> None:
                     f"Parameters are expected to have the same dtype `{self._dtype}`, but got `{param.dtype}`")
 
 
+_MARK = "_launcher_cpu_shim"
+
+
+def _ignoring_cpu(set_device, torch):
+    def wrapped(device):
+        if isinstance(device, torch.device) and device.type == "cpu" or device == "cpu":
+            return None
+        return set_device(device)
+
+    setattr(wrapped, _MARK, True)
+    return wrapped
+
+
+def _tensors_stay_on_cpu(fn, torch):
+    def wrapped(*args, **kwargs):
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *a, **k: self
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = cuda
+
+    setattr(wrapped, _MARK, True)
+    return wrapped
+
+
 def apply() -> list[str]:
     """Patch ColossalAI's CPU accelerator and LowLevelZero's sanity check; returns the names of
     the replaced accelerator methods. Idempotent."""
@@ -119,6 +154,13 @@ def apply() -> list[str]:
             setattr(CpuAccelerator, name, fn)
             replaced.append(name)
     LowLevelZeroOptimizer._sanity_checks = _dtype_checks_only
-    return replaced
+    if not getattr(torch.cuda.set_device, _MARK, False):
+        torch.cuda.set_device = _ignoring_cpu(torch.cuda.set_device, torch)
+    from colossalai.shardformer.layer import qkv_fused_linear
 
-apply()
+    gather = qkv_fused_linear.gather_fused_qkv_in_gpt2_style
+    if not getattr(gather, _MARK, False):
+        qkv_fused_linear.gather_fused_qkv_in_gpt2_style = _tensors_stay_on_cpu(gather, torch)
+    if not hasattr(torch.distributed, "is_hccl_available"):
+        torch.distributed.is_hccl_available = lambda: False
+    return replaced

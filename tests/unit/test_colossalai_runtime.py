@@ -1,0 +1,58 @@
+"""Which Python runs a ColossalAI strategy, and when the planner calls it launchable
+(launcher/backends/colossalai/runtime.py, launcher/environment.py, launcher/launch.py)."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from launcher import environment, launch
+from launcher.backends import registry
+from launcher.backends.colossalai import runtime
+from launcher.environment import SHARDFORMER
+from launcher.types import Strategy
+
+TP, PP = registry.strategy("cai_tp"), registry.strategy("cai_pp")
+ZERO = registry.strategy("cai_zero2")
+
+
+def test_only_the_shardformer_strategies_leave_the_launchers_python(tmp_path, monkeypatch):
+    python = tmp_path / "python"
+    python.write_text("")
+    monkeypatch.setenv(environment.COLOSSALAI_PYTHON_ENV, str(python))
+    monkeypatch.setattr(runtime, "version", lambda name: "5.23.0")
+    assert launch.worker_python("colossalai", "cai_tp") == str(python)
+    assert launch.worker_python("colossalai", "cai_pp") == str(python)
+    assert launch.worker_python("colossalai", "cai_zero2") == sys.executable
+    assert launch.worker_python("deepspeed", "zero3") == sys.executable
+    assert launch.torchrun_argv.__defaults__ == (sys.executable,)
+
+
+def test_transformers_4_runs_the_shardformer_here(monkeypatch):
+    monkeypatch.setattr(runtime, "version", lambda name: "4.51.3")
+    assert runtime.interpreter(TP) is None  # the launcher's own Python
+    assert environment.shardformer_python("4.51.3") == ""
+
+
+def test_a_named_python_that_does_not_exist_is_no_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv(environment.COLOSSALAI_PYTHON_ENV, str(tmp_path / "missing"))
+    assert environment.colossalai_python() is None
+    assert environment.shardformer_python("5.23.0") is None
+
+
+@pytest.mark.parametrize("strategy", [TP, PP, Strategy("cai_tp", "colossalai", tp_size=4)])
+def test_without_an_environment_tp_and_pp_are_estimates(strategy):
+    why = runtime.launch_problem(strategy, frozenset({"colossalai"}), "5.23.0")
+    assert "transformers 4.51" in why and ".venv-colossalai" in why and why.endswith("estimate only")
+    assert runtime.launch_problem(strategy, frozenset({"colossalai", SHARDFORMER}), "5.23.0") == ""
+    assert runtime.launch_problem(ZERO, frozenset({"colossalai"}), "5.23.0") == ""
+
+
+@pytest.mark.parametrize("model_type,expected", [("llama", "sdpa"), ("qwen2", "sdpa"), ("opt", "eager"),
+                                                 ("bloom", "eager"), ("gpt2", "eager")])
+def test_shardformer_attention(model_type, expected):
+    backend = registry.get("colossalai")
+    assert backend.attention_of(TP, model_type, "sdpa") == expected
+    assert backend.attention_of(PP, model_type, "sdpa") == expected
+    assert backend.attention_of(ZERO, model_type, "sdpa") == "sdpa"  # the model's own forwards
+    assert registry.get("ddp").attention_of(registry.strategy("ddp"), model_type, "sdpa") == "sdpa"
