@@ -330,7 +330,7 @@ def trace_fields(lora: Optional[LoraSettings], backend: str, request: dict) -> d
            "lora_dropout": lora.dropout, "lora_target_modules": tuple(lora.target_modules or ()),
            "lora_dora": lora.use_dora, "lora_modules_to_save": tuple(lora.modules_to_save or ()),
            "quant_type": lora.quant_type, "double_quant": lora.double_quant,
-           "adapter_autocast": backend != "deepspeed"}
+           "adapter_autocast": backend not in ("deepspeed", "fsdp2")}
     if lora.quant_type is not None:
         out["param_dtype"] = lora.compute_dtype
         gptq = lora.quant_type.startswith("gptq")

@@ -12,6 +12,7 @@ from launcher import host_time, speed, trace
 from launcher.backends import registry
 from launcher.backends.base import Ask
 from launcher.backends.colossalai.emit import num_microbatches
+from launcher.backends.fsdp2.rules import TP_FAMILIES as FSDP2_TP_FAMILIES
 from launcher.backends.registry import backend_of
 from launcher.config import LauncherConfig
 from launcher.environment import Env, detect
@@ -38,8 +39,15 @@ def strategies_for(config: LauncherConfig, spec: ModelSpec | None = None) -> lis
         return chosen
     out: list[Strategy] = []
     for s in chosen:
-        out += colossalai_layouts(s, config, spec) if s.name in ("cai_tp", "cai_pp") else [s]
+        out += (colossalai_layouts(s, config, spec) if s.name in ("cai_tp", "cai_pp") else
+                fsdp2_tp_layouts(s, config, spec) if s.name == "fsdp2_tp" else [s])
     return out
+
+
+def fsdp2_tp_layouts(template: Strategy, config: LauncherConfig, spec: ModelSpec) -> list[Strategy]:
+    """fsdp2_tp: fsdp2.tp_size, or every valid tensor-parallel size (`tp_sizes`)."""
+    sizes = [config.fsdp2.tp_size] if config.fsdp2.tp_size else tp_sizes(config, spec)
+    return [replace(template, tp_size=t) for t in sizes] or [template]
 
 
 def divisors(n: int) -> list[int]:
@@ -161,6 +169,9 @@ def launch_problem(strategy: Strategy, spec: ModelSpec, peft: dict | None = None
     if (peft or {}).get("quant_type") and any(spec.hf_config.get(k) for k in ("num_local_experts", "num_experts")):
         return ("QLoRA of 3D expert parameters: estimated 4-bit per expert, but the worker's bitsandbytes "
                 "conversion quantizes nn.Linear only: estimate only")
+    if strategy.backend == "fsdp2" and strategy.tp_size > 1 and spec.model_type not in FSDP2_TP_FAMILIES:
+        return (f"fsdp2_tp's parallelize plan names Llama-family modules (launcher/backends/fsdp2/tp_plan.py), "
+                f"not {spec.model_type}'s: estimate only")
     if strategy.backend != "colossalai" or (strategy.tp_size == 1 and strategy.pp_size == 1):
         return ""
     if spec.vocab_size % strategy.tp_size:
