@@ -135,6 +135,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--print", action="store_true", help="print the section instead of writing it")
+    parser.add_argument("--measured", default=None,
+                        help="a log of an earlier run: reuse its measured cells (JSON lines) instead of re-running them")
     args = parser.parse_args()
     from scripts_fsdp2_memtracker import CELLS as TRACKER_CELLS, estimated_peak, measured_peak  # noqa: E402
 
@@ -143,9 +145,12 @@ def main() -> None:
         work = Path(tmp)
         cache = Path(args.cache_dir) if args.cache_dir else work / "cache"
         rows = []
-        for cell in CELLS:
+        earlier = [json.loads(line) for line in Path(args.measured).read_text().splitlines()
+                   if line.startswith("{") and '"measured"' in line] if args.measured else []
+        for cell in ([] if earlier else CELLS):
             rows.append(measure(cell, work, cache))
             print(json.dumps(rows[-1]), flush=True)
+        rows += earlier
         tracker = []
         for model, strategy, precision, ckpt in TRACKER_CELLS:
             m = measured_peak(model, strategy, precision, ckpt)

@@ -94,7 +94,7 @@ def estimated_peak(model: str, strategy: str, precision: str, ckpt: bool, cache_
     from launcher import trace
     from launcher.backends.fsdp2.layout import fsdp2_layout, setup, trace_request
     from launcher.backends.fsdp2.rules import STRATEGIES
-    from launcher.memory import _phase_totals
+    from launcher.memory.estimate import _phase_totals
     from launcher.types import Workload
 
     strategy_ = STRATEGIES[strategy]
