@@ -44,7 +44,8 @@ Attention = _enum(
 StrategyName = _enum(
     "StrategyName",
     ["auto", "single", "ddp", "zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload",
-     "cai_ddp", "cai_zero1", "cai_zero2", "cai_gemini", "cai_tp", "cai_pp"],
+     "cai_ddp", "cai_zero1", "cai_zero2", "cai_gemini", "cai_tp", "cai_pp",
+     "fsdp2", "fsdp2_grad_op", "fsdp2_offload", "fsdp2_tp"],
     "auto = plan every candidate. single = one process, the model not wrapped by any data-parallel "
     "framework (what HF Trainer and torchtune run on one GPU; gpus=1 only). ddp = torch "
     "DistributedDataParallel. zero0..zero3 = DeepSpeed "
@@ -53,7 +54,10 @@ StrategyName = _enum(
     "'ColossalAI'): cai_ddp TorchDDPPlugin, cai_zero1/cai_zero2 LowLevelZeroPlugin stage 1/2, "
     "cai_gemini GeminiPlugin (chunk-based ZeRO-3), cai_tp HybridParallelPlugin with 1D tensor "
     "parallelism (colossalai.tp_size, null = every valid size), cai_pp HybridParallelPlugin with "
-    "1F1B pipeline parallelism (colossalai.pp_size).",
+    "1F1B pipeline parallelism (colossalai.pp_size). fsdp2* = PyTorch FSDP2 (fully_shard per "
+    "decoder block and root): fsdp2 reshard_after_forward=True (ZeRO-3-like), fsdp2_grad_op False "
+    "(ZeRO-2-like), fsdp2_offload CPUOffloadPolicy, fsdp2_tp FSDP x torch tensor parallelism on a "
+    "2D DeviceMesh (fsdp2.tp_size).",
 )
 Mode = _enum(
     "Mode",
@@ -302,6 +306,16 @@ class DDPConfig:
 
 
 @dataclass
+class FSDP2Config:
+    """PyTorch FSDP2 knobs (launcher/backends/fsdp2/); the estimator and the emitted
+    fsdp2_plan.json read the same values."""
+
+    tp_size: Optional[int] = None
+    """fsdp2_tp: tensor-parallel size (the second DeviceMesh dimension); null = every size that
+    divides a node's GPUs and the model's attention and key/value heads."""
+
+
+@dataclass
 class ColossalAIConfig:
     """ColossalAI 0.5.0 plugin knobs that change memory; the estimator and the emitted
     colossalai_plugin.json read the same values. Defaults are the plugins' own
@@ -459,6 +473,7 @@ class LauncherConfig:
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
     colossalai: ColossalAIConfig = field(default_factory=ColossalAIConfig)
+    fsdp2: FSDP2Config = field(default_factory=FSDP2Config)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

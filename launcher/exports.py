@@ -26,6 +26,7 @@ from launcher.config import LauncherConfig
 from launcher.emit.accelerate import accelerate_config, command_lines
 from launcher.backends.deepspeed.emit import deepspeed_config, unsupported_reason
 from launcher.backends.deepspeed.standalone import hf_trainer_config, standalone_config, unsupported_optimizer
+from launcher.backends.registry import REGISTRY
 from launcher.report import strategy_label, trains_label
 from launcher.types import Candidate, Plan
 
@@ -99,6 +100,12 @@ def exports(plan: Plan, config: LauncherConfig, run_dir: Path) -> list[Export]:
     """Every export file for this plan (module docstring); none when nothing fits."""
     ds_i, ds_files, ds_line = deepspeed_exports(plan, config)
     acc_i, acc_files, acc_line = accelerate_export(plan, config, ds_i, run_dir)
+    backend_lines = []
+    for backend in REGISTRY.values():  # a backend's own exports (Backend.exports)
+        if backend.exports:
+            files, line = backend.exports(plan, config)
+            acc_files += [Export(name, text) for name, text in files]
+            backend_lines.append(line)
     if plan.chosen is None:
         return ds_files + acc_files
     chosen = plan.candidates[plan.chosen]
@@ -107,7 +114,7 @@ def exports(plan: Plan, config: LauncherConfig, run_dir: Path) -> list[Export]:
                          accelerate_file=str(run_dir / ACCELERATE) if acc_i == plan.chosen else None,
                          deepspeed=chosen.strategy.backend == "deepspeed")
     lines = ["#!/usr/bin/env bash", "# The planned job as each launcher starts it (run from any directory).",
-             "# Pick one command; launch_command.sh is the one the launcher runs.", ds_line, acc_line,
+             "# Pick one command; launch_command.sh is the one the launcher runs.", ds_line, acc_line, *backend_lines,
              f"# torchrun: {describe(plan.chosen, chosen)} (run.json)", ""]
     for name, argv in cmds.items():
         lines += [f"# {name}", " ".join(a if "${" in a else shlex.quote(a) for a in argv), ""]

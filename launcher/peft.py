@@ -312,18 +312,19 @@ def training_variants(config, device: str) -> list[TrainingVariant]:
     return out
 
 
-def trace_fields(lora: Optional[LoraSettings], backend: str, request: dict) -> dict:
+def trace_fields(lora: Optional[LoraSettings], adapter_autocast: bool, request: dict) -> dict:
     """The TraceKey fields of a LoRA/QLoRA candidate, on top of the strategy's `request`
-    (launcher.memory.trace_request). DeepSpeed casts the whole module, adapters included, to its
-    16-bit dtype, so peft's fp32 adapter autocast is off there; QLoRA's base is built in its
-    compute dtype."""
+    (launcher.memory.trace_request). `adapter_autocast`: peft keeps the adapters in fp32 under
+    autocast (its backend's Backend.adapter_autocast; DeepSpeed casts the whole module, adapters
+    included, to its 16-bit dtype, FSDP2 gathers them in the param dtype); QLoRA's base is built in
+    its compute dtype."""
     if lora is None:
         return {}
     out = {"trainable": "lora", "lora_r": lora.r, "lora_alpha": lora.alpha,
            "lora_dropout": lora.dropout, "lora_target_modules": tuple(lora.target_modules or ()),
            "lora_dora": lora.use_dora, "lora_modules_to_save": tuple(lora.modules_to_save or ()),
            "quant_type": lora.quant_type, "double_quant": lora.double_quant,
-           "adapter_autocast": backend != "deepspeed"}
+           "adapter_autocast": adapter_autocast}
     if lora.quant_type is not None:
         out["param_dtype"] = lora.compute_dtype
         gptq = lora.quant_type.startswith("gptq")

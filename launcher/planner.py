@@ -112,6 +112,9 @@ def launch_problem(strategy: Strategy, spec: ModelSpec, peft: dict | None = None
     if (peft or {}).get("quant_type") and any(spec.hf_config.get(k) for k in ("num_local_experts", "num_experts")):
         return ("QLoRA of 3D expert parameters: estimated 4-bit per expert, but the worker's bitsandbytes "
                 "conversion quantizes nn.Linear only: estimate only")
+    hook = backend_of(strategy).launch_problem
+    if hook and hook(strategy, spec):
+        return hook(strategy, spec)
     if strategy.backend != "colossalai" or (strategy.tp_size == 1 and strategy.pp_size == 1):
         return ""
     if spec.vocab_size % strategy.tp_size:
@@ -131,7 +134,7 @@ def traced(config: LauncherConfig, spec: ModelSpec, strategy: Strategy, wl: Work
 def trace_key(spec: ModelSpec, strategy: Strategy, wl: Workload, lora=None):
     """The `TraceKey` of the step this strategy's memory model needs."""
     request = memory_model.trace_request(strategy, wl)
-    request.update(trace_fields(lora, strategy.backend, request))
+    request.update(trace_fields(lora, backend_of(strategy).adapter_autocast, request))
     return trace.TraceKey(hf_config_json=trace.canonical_config_json(spec.hf_config),
                           num_layers=spec.num_layers, micro_batch_size=wl.micro_batch_size,
                           seq_len=wl.seq_len,

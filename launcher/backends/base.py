@@ -100,6 +100,8 @@ class Backend:
       degrees (launcher/parallel.py); None: the template is the strategy.
     - `grad_accum(strategy, config, accum)`: the step's micro-batches when the backend decides
       them (pipeline schedules); None: the planner's accumulation.
+    - `launch_problem(strategy, spec)`: why a candidate that fits cannot be launched here ('' when
+      it can); such a candidate stays in the plan as an estimate and is never chosen.
     - `to_neutral`: 'module:function' converting its checkpoint to torch's layout-neutral form
       (launcher/worker/layout.py), run by the launcher; None when it writes that form already.
     - `interpreter(strategy)`: the Python torchrun and the ranks run with (a path), or None for the
@@ -122,7 +124,10 @@ class Backend:
     host_equivalent: Optional[Callable[..., Optional[tuple]]] = None
     knobs: tuple = ()
     expand: Optional[Callable[..., list]] = None  # (template, config, spec) -> its layouts over TP/PP degrees
-    grad_accum: Optional[Callable[..., int]] = None  # (strategy, config, accumulation) -> the step's micro-batches
+    grad_accum: Optional[Callable[..., int]] = None
+    adapter_autocast: bool = True  # LoRA adapters stay fp32 under peft's autocast; False: the framework casts them
+    launch_problem: Optional[Callable[..., str]] = None
+    exports: Optional[Callable[..., tuple]] = None  # (plan, config) -> ([(file name, text)], launch_commands.sh line)  # (strategy, spec) -> why a fitting plan cannot run here  # (strategy, config, accumulation) -> the step's micro-batches
     to_neutral: Optional[str] = None  # 'module:function' writing its checkpoint in torch's form; None: it is already
     interpreter: Optional[Callable[[Strategy], Optional[str]]] = None  # the ranks' Python; None: the launcher's
     attention: Optional[Callable[[Strategy, str, str], str]] = None  # (strategy, model_type, planned) -> what runs

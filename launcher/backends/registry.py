@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import importlib
 
-from launcher.backends import colossalai, ddp, deepspeed
+from launcher.backends import colossalai, ddp, deepspeed, fsdp2
 from launcher.backends.base import Backend
 from launcher.errors import ConfigError
 from launcher.types import Strategy
 
-_BACKENDS = (ddp.BACKEND, deepspeed.BACKEND, colossalai.BACKEND)
+_BACKENDS = (ddp.BACKEND, deepspeed.BACKEND, fsdp2.BACKEND, colossalai.BACKEND)
 
 REGISTRY: dict[str, Backend] = {}
 STRATEGIES: dict[str, Strategy] = {}

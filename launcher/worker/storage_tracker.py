@@ -15,6 +15,7 @@ from functools import wraps
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -63,7 +64,14 @@ class StorageTracker(TorchDispatchMode):
             entry.num_bytes = st.nbytes()
 
     def track_tensor(self, t: torch.Tensor) -> None:
-        if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta:
+        """A wrapper subclass (DTensor: FSDP2's sharded parameters and their optimizer states,
+        tensor-parallel activations) owns no memory; its inner tensors do (`__tensor_flatten__`,
+        as MemTracker does, torch/distributed/_tools/common_utils.py `get_untyped_storages`). Its own
+        `untyped_storage()` reports the global size."""
+        if is_traceable_wrapper_subclass(t):
+            for name in t.__tensor_flatten__()[0]:
+                self.track_tensor(getattr(t, name))
+        elif isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta:
             self._track_storage(t.untyped_storage())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

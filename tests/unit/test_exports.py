@@ -197,7 +197,10 @@ for path in sys.argv[1:]:
     out.append({"optimizer": type(inner).__module__ + "." + type(inner).__name__, "lrs": lrs,
                 "steps": engine.global_steps})
 if torch.distributed.get_rank() == 0:
-    print("RESULT " + json.dumps(out))
+    print("RESULT " + json.dumps(out), flush=True)
+del engine, optimizer, scheduler, model  # gloo's threads idle before the group goes (no abort at exit)
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
 """
 
 

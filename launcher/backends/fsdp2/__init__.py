@@ -1,0 +1,18 @@
+"""PyTorch FSDP2 (`fully_shard`) and torch-native tensor parallelism on a 2D DeviceMesh."""
+from launcher.backends.base import Backend
+from launcher.backends.fsdp2 import comm, emit, layout, rules
+
+BACKEND = Backend(
+    name="fsdp2",
+    strategies=rules.STRATEGIES,
+    rules=rules.rules, problem=rules.problem,
+    trace_request=layout.trace_request, memory=layout.memory,
+    comm=comm.comm, host_equivalent=comm.host_equivalent,
+    emit_file=emit.PLAN_FILE, emit=emit.emit,
+    worker="launcher.backends.fsdp2.worker:FSDP2Backend",
+    check_worker_config="launcher.backends.fsdp2.worker:check_config",
+    knobs=("fsdp2",),
+    adapter_autocast=False,
+    exports=lambda plan, config: emit.exports(plan, config, plan.model.get("model_type", "")),
+    expand=rules.expand, launch_problem=rules.launch_problem,
+)

@@ -1,0 +1,125 @@
+"""Configs of an FSDP2 candidate that users can reuse: pure functions.
+
+- `plan_config`: the sharding and parallelize plan as JSON (`fsdp2_plan.json`, also run.json's
+  `framework_config`, which the worker applies as written: worker.py): the DeviceMesh, which
+  modules `fully_shard` wraps, `reshard_after_forward`, the `MixedPrecisionPolicy`, CPU offload
+  and, with tp > 1, the `parallelize_module` plan (tp_plan.py).
+- `accelerate_config`: Accelerate's `ClusterConfig` for `accelerate launch --config_file`
+  with `distributed_type: FSDP` and `fsdp_version: 2` (accelerate/utils/dataclasses.py
+  `FullyShardedDataParallelPlugin`; keys under `fsdp_config` are its fields with the `fsdp_`
+  prefix accelerate/commands/launch.py adds); tensor parallelism as its `parallelism_config`
+  (`parallelism_config_dp_shard_size`, `parallelism_config_tp_size`, the `accelerate launch`
+  arguments of the same names).
+"""
+from __future__ import annotations
+
+from launcher.types import Strategy
+
+from . import tp_plan
+from .rules import mixed_precision, reshard_after_forward
+
+PLAN_FILE = "fsdp2_plan.json"
+ACCELERATE_MIXED = {"bf16-mixed": "bf16"}
+
+
+def plan_config(strategy: Strategy, precision: str, num_processes: int) -> dict:
+    """The plan the worker runs (and a torchtitan/torchtune user reads): mesh, wrapping, policy.
+    Activation checkpointing is the run's `gradient_checkpointing` (run.json), applied by
+    transformers inside each block, not part of the sharding plan."""
+    tp = strategy.tp_size
+    config = {
+        "mesh": {"dp": num_processes // tp, "tp": tp} if tp > 1 else {"dp": num_processes},
+        "fully_shard": ["model.layers.*", "<root>"],
+        "reshard_after_forward": reshard_after_forward(strategy),
+        "root_reshard_after_forward": None,  # FSDP2's default for the root: keep it unsharded
+        "mp_policy": mixed_precision(precision),
+        "cpu_offload": strategy.offload_params,
+    }
+    if tp > 1:
+        config["tp_plan"] = tp_plan.plan_json()
+        config["loss_parallel"] = "vocab_parallel_cross_entropy"  # loss.py
+    return config
+
+
+def accelerate_config(strategy: Strategy, precision: str, num_processes: int, num_machines: int,
+                      device: str, layer_class: str | None, gradient_checkpointing: bool) -> dict:
+    """Accelerate's ClusterConfig for an FSDP2 candidate (`layer_class`: the decoder block class
+    that `TRANSFORMER_BASED_WRAP` shards, e.g. LlamaDecoderLayer)."""
+    config = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": "FSDP",
+        "num_processes": num_processes,
+        "num_machines": num_machines,
+        "machine_rank": 0,
+        "main_training_function": "main",
+        "mixed_precision": ACCELERATE_MIXED.get(precision, "no"),
+        "rdzv_backend": "static" if num_machines == 1 else "c10d",
+        "same_network": True,
+        "use_cpu": device == "cpu",
+        "debug": False,
+        "fsdp_config": {
+            "fsdp_version": 2,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_transformer_layer_cls_to_wrap": layer_class,
+            "fsdp_reshard_after_forward": reshard_after_forward(strategy),
+            "fsdp_offload_params": strategy.offload_params,
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_cpu_ram_efficient_loading": True,
+            "fsdp_activation_checkpointing": gradient_checkpointing,
+        },
+    }
+    if strategy.tp_size > 1:
+        config["parallelism_config"] = {"parallelism_config_dp_shard_size": num_processes // strategy.tp_size,
+                                        "parallelism_config_tp_size": strategy.tp_size}
+    return config
+
+
+ACCELERATE_FILE = "accelerate_fsdp2_config.yaml"
+
+
+def decoder_layer_class(model_type: str) -> str | None:
+    """The decoder block class transformers names for this family (`_no_split_modules` of its
+    causal-LM class, which Accelerate's TRANSFORMER_BASED_WRAP also falls back to), or None."""
+    try:
+        import transformers
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    except (KeyError, AttributeError, ImportError):
+        return None
+    names = list(getattr(cls, "_no_split_modules", None) or [])
+    return ",".join(names) or None
+
+
+def exports(plan, config, model_type: str) -> tuple[list[tuple[str, str]], str]:
+    """([(file name, text)], header line) for launcher/exports.py: the sharding plan JSON and the
+    Accelerate FSDP2 config of the chosen candidate when it is an FSDP2 one, else of the fastest
+    FSDP2 candidate that fits and can be launched."""
+    import json
+
+    import yaml
+
+    ok = [i for i, c in enumerate(plan.candidates)
+          if c.strategy.backend == "fsdp2" and c.fits and "not launchable" not in c.reason]
+    i = plan.chosen if plan.chosen in ok else (ok[0] if ok else None)
+    if i is None:
+        return [], "# no FSDP2 export: no FSDP2 candidate fits"
+    c = plan.candidates[i]
+    t = config.training
+    ckpt = t.gradient_checkpointing or c.gradient_checkpointing
+    plan_json = plan_config(c.strategy, t.precision.name, config.gpus)
+    layer = decoder_layer_class(model_type)
+    acc = accelerate_config(c.strategy, t.precision.name, config.gpus, config.nodes, config.hardware.device,
+                            layer, ckpt)
+    if layer is None:
+        del acc["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"]  # Accelerate takes _no_split_modules
+    files = [(PLAN_FILE, json.dumps(plan_json, indent=2, sort_keys=True) + "\n"),
+             (ACCELERATE_FILE, yaml.safe_dump(acc, sort_keys=True))]
+    return files, (f"# {PLAN_FILE}, {ACCELERATE_FILE}: #{i} {c.strategy.name}"
+                   + (f" tp={c.strategy.tp_size}" if c.strategy.tp_size > 1 else "")
+                   + f", micro_batch_size={c.micro_batch_size}, grad_accum_steps={c.grad_accum_steps}")
+
+
+def emit(x) -> dict:
+    """The registry's emitter (launcher/backends/base.py `EmitInput`): the plan JSON."""
+    return plan_config(x.strategy, x.training.precision.name, x.dp_size * x.strategy.tp_size)

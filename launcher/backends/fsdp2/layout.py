@@ -1,0 +1,373 @@
+"""FSDP2 (`fully_shard`, torch 2.13 torch/distributed/fsdp/_fully_shard/) on one rank, from the
+traced step (launcher/memory/common.py `Layout` machinery, as launcher/memory/zero3.py models
+DeepSpeed ZeRO-3).
+
+The trace is one real step of the model in the dtype FSDP2 computes in (the `MixedPrecisionPolicy`
+param_dtype, or the model's dtype), without an optimizer. Its activations and its gradients as
+autograd allocates them are kept; its parameters are replaced by FSDP2's storages, one
+`FSDPParamGroup` per decoder block plus the root (embeddings, final norm, LM head):
+
+- sharded parameters (`FSDPParam._init_sharded_param`, _fsdp_param.py): each parameter is cut
+  into `world` chunks along dim 0 (`_chunk_with_empty`, torch.chunk sizes) and every rank keeps a
+  chunk padded to the first chunk's size (`padded_sharded_param_size`), in the model's dtype;
+- optimizer states: `zeros_like` of the sharded DTensor parameter, i.e. of the rank's *unpadded*
+  chunk (torch/optim/adamw.py `_init_group`): ranks differ when a dim 0 does not divide evenly;
+- per group unshard (`FSDPParamGroup.unshard` / `wait_for_unshard`, _fsdp_param_group.py;
+  `foreach_all_gather` / `foreach_all_gather_copy_out`, _fsdp_collectives.py): with a param_dtype,
+  a flat cast copy of the shards (`flat_foreach_copy_input`, freed after the copy-in), the flat
+  all-gather output (world x padded shard numel, param dtype), then the unsharded parameters
+  (`alloc_all_gather_outputs`, the same size). In forward the all-gather output is kept until the
+  next group's copy-out (implicit prefetch: `comm_ctx.all_gather_state`, freed in the next
+  `wait_for_unshard` or in the root's post-forward); in backward it is freed right after the
+  copy-out, and each block's pre-backward prefetches the previous block's all-gather
+  (`_backward_prefetch`: `unshard` only, its copy-out at that block's own pre-backward);
+- unsharded parameters are freed after the block's forward (`reshard_after_forward=True`) or after
+  its backward; the root's stay unsharded from forward to the end of backward (`_lazy_init`: the
+  root does not reshard after forward);
+- per group post-backward (`FSDPParamGroup.post_backward`, `foreach_reduce`): reshard, free the
+  previous group's reduce-scatter input (`reduce_scatter_max_input_buffers` = 1), allocate this
+  group's reduce-scatter input (world x padded shard numel, reduce dtype), free the unsharded
+  gradients, allocate the reduce-scatter output (padded shard numel, reduce dtype), whose views are
+  the sharded gradients until `zero_grad`. The root's post-backward runs in the final callback
+  (`_root_post_backward_final_callback`), which then frees the last reduce-scatter input.
+- with a mesh of one rank (FSDP x TP on dp=1) the same storages exist without a collective: the
+  unsharded copy is made per parameter (`all_gather_inputs` casts with a param_dtype) and the
+  reduce-scatter input is copied to the output.
+
+Block boundaries: the trace records where the decoder layers start and end in forward and in
+backward (`StepTrace.layer_bounds`); a repeated block allocates and frees the same storages, so
+block l spans the l-th equal part of that range. FSDP2's own steps at a boundary (copy-in,
+all-gather output, copy-out, frees) are virtual events inserted before the traced event
+(`FSDP2Layout.inserts`), in FSDP2's order, so each moment's live bytes are exact.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from launcher.backends.base import LayoutSet
+from launcher.backends.fsdp2.rules import mixed_precision, model_dtype, reshard_after_forward
+from launcher.memory.common import (DTYPE_BYTES, Layout, distinct_params, grad_ready_order,
+                                    optimizer_step_temp_numel)
+from launcher.steptrace import Kind, StepTrace
+from launcher.types import Strategy
+
+ROOT = -1
+POST = 3  # virtual events of a group's post-backward (u0, u1, u2)
+
+
+@dataclass(frozen=True)
+class FSDP2Setup:
+    world: int  # ranks of the FSDP (dp) mesh dimension
+    rank: int  # this rank's index on it
+    reshard_after_forward: bool
+    compute_bytes: int  # bytes per element of the unsharded parameters (param_dtype or model dtype)
+    shard_bytes: int  # bytes per element of sharded parameters and optimizer states
+    reduce_bytes: int  # bytes per element of the reduce-scatter buffers and sharded gradients
+    cast: bool  # a MixedPrecisionPolicy param_dtype differs from the sharded dtype
+    optimizer: str = "adamw_torch"
+    offload: bool = False  # CPUOffloadPolicy: shards, sharded gradients and the step on the host
+
+
+def _shape(trace: StepTrace, i: int) -> tuple:
+    p = trace.params
+    return tuple(p.shapes[i]) if p.shapes else (int(p.numel[i]),)
+
+
+def chunk_numels(shape: tuple, world: int) -> tuple[int, list[int]]:
+    """(padded shard numel, [each rank's unpadded chunk numel]) of one parameter: torch.chunk along
+    dim 0 (`_chunk_with_empty`), padded to the first chunk (`padded_sharded_param_size`)."""
+    rows = shape[0] if shape else 1
+    rest = math.prod(shape[1:]) if len(shape) > 1 else 1
+    c = -(-rows // world)
+    return c * rest, [max(0, min(c, rows - r * c)) * rest for r in range(world)]
+
+
+@dataclass
+class Group:
+    """One FSDPParamGroup: a decoder block (`layer` >= 0) or the root (`ROOT`)."""
+
+    layer: int
+    params: list = field(default_factory=list)
+    padded_shard: int = 0  # numel per rank, padded
+    local: list = field(default_factory=list)  # numel per rank, unpadded (optimizer states)
+    numels: list = field(default_factory=list)  # per parameter padded shard numel
+    trainable_padded: int = 0  # padded shard numel of the parameters with gradients (reduce-scatter)
+    trainable_local: list = field(default_factory=list)  # unpadded, of the trainable ones (optimizer states)
+
+
+def groups(trace: StepTrace, world: int) -> dict:
+    """layer -> Group over the distinct parameters (tied copies once), root = -1."""
+    out: dict = {}
+    for i in distinct_params(trace):
+        layer = int(trace.params.layer[i])
+        g = out.setdefault(layer, Group(layer, local=[0] * world, trainable_local=[0] * world))
+        padded, local = chunk_numels(_shape(trace, i), world)
+        g.params.append(i)
+        g.padded_shard += padded
+        g.numels.append(padded)
+        g.local = [a + b for a, b in zip(g.local, local)]
+        if trace.params.trainable[i]:  # frozen ones (LoRA's base) are gathered, never reduced
+            g.trainable_padded += padded
+            g.trainable_local = [a + b for a, b in zip(g.trainable_local, local)]
+    return out
+
+
+@dataclass
+class FSDP2Layout(Layout):
+    """A `Layout` with virtual events inserted before chosen traced events (FSDP2's steps at block
+    boundaries): `inserts[p]` events come right after traced event p-1."""
+
+    inserts: dict = field(default_factory=dict)
+    _keys: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    _cum: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    @classmethod
+    def build(cls, trace: StepTrace, inserts: dict, reduce_events: int, step_events: int) -> "FSDP2Layout":
+        lay = cls(trace, np.ones(len(trace.nbytes), bool), trace.alloc.copy(), trace.free.copy(),
+                  reduce_events, step_events, [], dict(inserts))
+        keys = sorted(k for k, v in inserts.items() if v > 0)
+        lay._keys = np.array(keys, np.int64)
+        lay._cum = np.cumsum([inserts[k] for k in keys]).astype(np.int64)
+        lay.alloc, lay.free = lay.ev(trace.alloc), lay.ev(trace.free)
+        return lay
+
+    def _inserted_upto(self, event):
+        e = np.asarray(event)
+        idx = np.searchsorted(self._keys, e, side="right") - 1
+        return np.where(idx >= 0, self._cum[np.clip(idx, 0, None)] if len(self._cum) else 0, 0)
+
+    @property
+    def num_events(self) -> int:
+        return int(self.trace.num_events + self.reduce_events + self.step_events
+                   + (self._cum[-1] if len(self._cum) else 0))
+
+    def ev(self, event):
+        shift = self.reduce_events + self.step_events
+        e = np.asarray(event)
+        return np.where(e >= self.backward_end, e + shift, e) + self._inserted_upto(e)
+
+    def at(self, p: int, k: int = 0) -> int:
+        """Index of the k-th virtual event before traced event p."""
+        return int(self.ev(p)) - self.inserts.get(p, 0) + k
+
+    def start(self, p: int) -> int:
+        """Index where traced event p's moment begins (its virtual events included)."""
+        return int(self.ev(p)) - self.inserts.get(p, 0)
+
+    def reduce_ev(self, k: int) -> int:
+        return int(self.ev(self.backward_end)) - self.reduce_events - self.step_events + k
+
+    def step_ev(self, k: int) -> int:
+        return self.reduce_ev(self.reduce_events + k)
+
+    @property
+    def phases(self) -> dict:
+        t = self.trace.phases
+        b_end = self.reduce_ev(self.reduce_events)
+        return {"forward": (self.start(t["forward"][0]), self.start(t["backward"][0])),
+                "backward": (self.start(t["backward"][0]), b_end),
+                "optimizer": (b_end, int(self.ev(t["optimizer"][1])))}
+
+    def segments(self, phase: str) -> list[tuple[int, int]]:
+        a, b = self.phases[phase]
+        cuts = sorted(self.start(c) for c in self.trace.layer_bounds.get(phase, ()))
+        edges = [a, *(c for c in cuts if a < c < b), b]
+        return [(x, y) for x, y in zip(edges, edges[1:]) if y > x]
+
+
+def block_events(trace: StepTrace) -> tuple[list[int], list[int]]:
+    """(F, B): F[l] the traced event where block l's forward starts (F[n]: the last ends); B[l]
+    where block l's backward ends (its post-backward; B[n]: the last block's backward starts).
+
+    Without the traced backward boundaries (LoRA with frozen embeddings: the first block's input
+    needs no gradient, so the tracer's 'bwd1' mark never fires) block l's backward ends after its
+    last gradient is ready, and the last block's starts one block period before its end."""
+    n = trace.num_layers
+    f0, f1 = trace.layer_bounds.get("forward", trace.phases["forward"])
+    forward = [int(round(f0 + l * (f1 - f0) / n)) for l in range(n + 1)]
+    if "backward" in trace.layer_bounds or n < 2:
+        b0, b1 = trace.layer_bounds.get("backward", trace.phases["backward"])
+        return forward, [int(round(b1 - l * (b1 - b0) / n)) for l in range(n + 1)]
+    last_ready = {}
+    for p, e in grad_ready_order(trace):
+        layer = int(trace.params.layer[p])
+        if layer >= 0:
+            last_ready[layer] = max(last_ready.get(layer, -1), e)
+    ends = [last_ready[l] + 1 for l in range(n)]
+    return forward, ends + [ends[n - 1] - (ends[n - 2] - ends[n - 1])]
+
+
+def fsdp2_layout(trace: StepTrace, s: FSDP2Setup) -> FSDP2Layout:
+    """This rank's storages under FSDP2 on the traced (shallow) model (module docstring)."""
+    n, W, r = trace.num_layers, s.world, s.rank
+    gs = groups(trace, W)
+    root = gs.get(ROOT, Group(ROOT, local=[0] * W))
+    blocks = [gs.get(l, Group(l, local=[0] * W)) for l in range(n)]
+    F, B = block_events(trace)
+    fs, bs = trace.phases["forward"][0], trace.phases["backward"][0]
+    inserts = {fs: 2}
+    for l in range(n):
+        inserts[F[l]] = inserts.get(F[l], 0) + 2
+    if s.reshard_after_forward:
+        inserts[bs] = inserts.get(bs, 0) + 2  # root's pre-backward prefetch of the last block
+    for l in range(n):  # post-backward of block l, then pre-backward of block l-1 (same moment)
+        inserts[B[l]] = inserts.get(B[l], 0) + POST + (3 if s.reshard_after_forward and l > 0 else 0)
+    if s.reshard_after_forward and n:  # pre-backward of the last block
+        inserts[B[n]] = inserts.get(B[n], 0) + 3
+    lay = FSDP2Layout.build(trace, inserts, reduce_events=3, step_events=2)
+    lay.drop(Kind.PARAM)
+    cb, sb = s.compute_bytes, s.shard_bytes
+    unsharded = lambda g: W * g.padded_shard * cb  # noqa: E731
+    ag_out = lambda g: W * g.padded_shard * cb if W > 1 else 0  # noqa: E731
+
+    def cast_temp(g) -> int:
+        """With W > 1 the flat cast copy of the group's shards; with W = 1 one parameter's cast at
+        a time (the previous one released when the next is assigned). With CPUOffloadPolicy each
+        shard is copied to the device (`all_gather_inputs`: `sharded_param_data.to(device)`) and
+        cast, all kept in `param_all_gather_inputs` until the copy-in."""
+        if s.offload:
+            return g.padded_shard * cb + (max(g.numels, default=0) * sb if s.cast else 0)
+        if not s.cast:
+            return 0
+        if W > 1:
+            return g.padded_shard * cb
+        pairs = [a + b for a, b in zip(g.numels, g.numels[1:])] or g.numels
+        return max(pairs, default=0) * cb
+
+    # persistent: sharded parameters (padded) and optimizer states (unpadded local chunks of the
+    # trainable parameters); in host memory under CPUOffloadPolicy (_fsdp_param.py
+    # `_init_sharded_param`: `padded_sharded_param.cpu()`, pinned; the optimizer steps them there)
+    total_padded = sum(g.padded_shard for g in gs.values())
+    lay.add("sharded_params", "parameters", total_padded * sb, host=s.offload)
+    local = sum(g.trainable_local[r] for g in gs.values())
+    trainable = [i for i in distinct_params(trace) if trace.params.trainable[i]]
+    if s.optimizer != "sgd":
+        lay.add("optimizer_states", "optimizer_states", 2 * local * sb + 4 * len(trainable), host=s.offload)
+    else:
+        lay.add("optimizer_states", "optimizer_states", local * sb, host=s.offload)
+
+    # forward: root unshard at the start, then each block's unshard at its start
+    lay.add("cast_copy", "buffers", cast_temp(root), lay.at(fs, 0), lay.at(fs, 1))
+    lay.add("all_gather_output", "buffers", ag_out(root), lay.at(fs, 0), lay.at(F[0], 1) if n else lay.start(bs))
+    root_end = lay.reduce_ev(0)
+    lay.add("unsharded_params", "parameters", unsharded(root), lay.at(fs, 1), root_end)
+    for l, g in enumerate(blocks):
+        a0, a1 = lay.at(F[l], 0), lay.at(F[l], 1)
+        lay.add("cast_copy", "buffers", cast_temp(g), a0, a1)
+        ag_end = lay.at(F[l + 1], 1) if l + 1 < n else lay.start(bs)
+        lay.add("all_gather_output", "buffers", ag_out(g), a0, ag_end)
+        end = lay.start(F[l + 1]) if s.reshard_after_forward else lay.at(B[l], 0)
+        lay.add("unsharded_params", "parameters", unsharded(g), a1, end)
+
+    # backward
+    if s.reshard_after_forward and n:
+        # root pre-backward: prefetch the last block (unshard only)
+        lay.add("cast_copy", "buffers", cast_temp(blocks[-1]), lay.at(bs, 0), lay.at(bs, 1))
+        prefetched_at = lay.at(bs, 0)
+        for l in range(n - 1, -1, -1):
+            g = blocks[l]
+            pre = B[l + 1]  # this block's pre-backward moment
+            k = 0 if l == n - 1 else POST  # after block l+1's post-backward steps at the same event
+            copy_out, after_copy = lay.at(pre, k), lay.at(pre, k + 1)
+            lay.add("all_gather_output", "buffers", ag_out(g), prefetched_at, after_copy)
+            lay.add("unsharded_params", "parameters", unsharded(g), copy_out, lay.at(B[l], 0))
+            if l > 0:  # prefetch block l-1
+                h = blocks[l - 1]
+                lay.add("cast_copy", "buffers", cast_temp(h), after_copy, after_copy + 1)
+                prefetched_at = after_copy
+    # post-backward of each block: u0 reshard and reduce-scatter input; u1 gradients freed and
+    # reduce-scatter output; u2 the last gradient freed
+    for l in range(n - 1, -1, -1):
+        g = blocks[l]
+        u0, u1, u2 = lay.at(B[l], 0), lay.at(B[l], 1), lay.at(B[l], 2)
+        rs_end = lay.at(B[l - 1], 0) if l > 0 else lay.reduce_ev(0)
+        _reduce_terms(lay, trace, g, s, u0, u1, u2, rs_end)
+    # root post-backward in the final callback (reduce events r0..r2), which then frees the last
+    # reduce-scatter input
+    r0, r1, r2 = lay.reduce_ev(0), lay.reduce_ev(1), lay.reduce_ev(2)
+    _reduce_terms(lay, trace, root, s, r0, r1, r2, lay.reduce_ev(3))
+    # optimizer step over the sharded parameters (local chunks): foreach temporaries
+    locals_ = [chunk_numels(_shape(trace, i), W)[1][r] for i in trainable]
+    lay.add("optimizer_step_temporaries", "optimizer_states",
+            sb * optimizer_step_temp_numel(s.optimizer, locals_), lay.step_ev(0), lay.step_ev(1), host=s.offload)
+    return lay
+
+
+def _reduce_terms(lay: FSDP2Layout, trace: StepTrace, g: Group, s: FSDP2Setup, u0: int, u1: int, u2: int,
+                  rs_end: int) -> None:
+    """One group's `foreach_reduce` (_fsdp_collectives.py): the reduce-scatter input (world x padded
+    shard numel, reduce dtype) from u0 until the next group's post-backward frees it
+    (`reduce_scatter_states`, at most `reduce_scatter_max_input_buffers` = 1 kept); the unsharded
+    gradients freed at u1 (`unsharded_grads.clear()`), except the group's last parameter's, which
+    the loop variable `unsharded_grad` of the world > 1 pre-pass holds until `foreach_reduce`
+    returns (u2); the reduce-scatter output from u1 to `zero_grad` (its views are the sharded
+    gradients). On CPU processes the worker reduce-scatters by an in-place all-reduce of the input
+    (worker.py `gloo_reduce_scatter`), which allocates nothing more, as NCCL's reduce-scatter."""
+    W, rb = s.world, s.reduce_bytes
+    lay.add("reduce_scatter_input", "buffers", W * g.trainable_padded * rb, u0, rs_end)
+    if s.offload:  # the device output is copied to the host and dropped (`new_sharded_grad.to("cpu")`)
+        lay.add("reduce_scatter_output", "gradients", g.trainable_padded * rb, u1, u2)
+        lay.add("sharded_grads", "gradients", g.trainable_padded * rb, u1, lay.step_ev(1), host=True)
+    else:
+        lay.add("sharded_grads", "gradients", g.trainable_padded * rb, u1, lay.step_ev(1))
+    g_rows = (trace.kind == Kind.GRAD) & (trace.param >= 0)
+    with_grad = [p for p in g.params if trace.params.trainable[p]]
+    last = with_grad[-1:] if W > 1 else []
+    rows = g_rows & np.isin(trace.param, with_tied(trace, [p for p in g.params if p not in last]))
+    lay.free[rows] = np.maximum(u1, lay.alloc[rows] + 1)
+    rows = g_rows & np.isin(trace.param, with_tied(trace, last))
+    lay.free[rows] = np.maximum(u2, lay.alloc[rows] + 1)
+
+
+def with_tied(trace: StepTrace, params: list) -> list:
+    """The parameters and their tied copies (which share their storage and gradient)."""
+    tied = trace.params.tied_to
+    return list(params) + [i for i in range(len(tied)) if tied[i] in set(params)]
+
+
+NOTES = (
+    "FSDP2 (fully_shard per decoder block and root): sharded parameters padded to the first "
+    "chunk, optimizer states on each rank's unpadded chunk, all-gather outputs with implicit "
+    "forward prefetch and explicit backward prefetch, unsharded parameters, reduce-scatter input "
+    "and output per group (torch/distributed/fsdp/_fully_shard/; launcher/backends/fsdp2/layout.py).",
+    "Block boundaries: the traced layer range divided into equal parts (a repeated block "
+    "allocates the same storages).",
+)
+
+
+def trace_request(strategy: Strategy, workload) -> dict:
+    """The `TraceKey` fields: the model in the dtype FSDP2 computes in (the MixedPrecisionPolicy
+    param_dtype, else the model's dtype), no autocast (FSDP2 casts parameters, not ops), no traced
+    optimizer (modelled here on the shards); with tp > 1 one tensor-parallel rank's shard."""
+    compute = mixed_precision(workload.precision)["param_dtype"] or model_dtype(workload.precision)
+    out = {"param_dtype": compute, "autocast_dtype": None, "optimizer": "none"}
+    if strategy.tp_size > 1:
+        out["tp_size"] = strategy.tp_size
+    return out
+
+
+def setup(strategy: Strategy, workload, dp: int, rank: int) -> FSDP2Setup:
+    mp = mixed_precision(workload.precision)
+    shard = model_dtype(workload.precision)
+    compute = mp["param_dtype"] or shard
+    return FSDP2Setup(world=dp, rank=rank, reshard_after_forward=reshard_after_forward(strategy),
+                      compute_bytes=DTYPE_BYTES[compute], shard_bytes=DTYPE_BYTES[shard],
+                      reduce_bytes=DTYPE_BYTES[mp["reduce_dtype"] or compute], cast=compute != shard,
+                      optimizer=workload.optimizer, offload=strategy.offload_params)
+
+
+def memory(traces, strategy: Strategy, workload, knobs, dp: int, device: str) -> LayoutSet:
+    """One layout pair per set of ranks with the same unpadded chunks (their optimizer states
+    differ when a dimension does not divide); the estimate reports every rank and the worst."""
+    depths = (traces.depth1, traces.depth2)
+    keyed: dict = {}
+    for rank in range(dp):
+        key = tuple(tuple(g.trainable_local[rank] for g in groups(t, dp).values()) for t in depths)
+        keyed.setdefault(key, []).append(rank)
+    out = tuple((tuple(ranks) if len(keyed) > 1 else (),
+                 tuple(fsdp2_layout(t, setup(strategy, workload, dp, ranks[0])) for t in depths))
+                for ranks in keyed.values())
+    return LayoutSet(groups=out, traces=traces, notes=NOTES)

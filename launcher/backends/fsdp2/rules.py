@@ -1,0 +1,95 @@
+"""What the FSDP2 backend runs: its strategies and the capability table the planner, the tracer
+and the worker all consult (one rule, so a plan is never chosen that the worker refuses).
+
+FSDP2 is `torch.distributed.fsdp.fully_shard` (torch/distributed/fsdp/_fully_shard/_fully_shard.py),
+applied per decoder block and then to the root, as torchtitan (torchtitan/models/llama3/infra/
+parallelize.py `apply_fsdp`) and Accelerate (`fsdp_version: 2`) apply it. Tensor parallelism is
+torch's own `parallelize_module` (torch/distributed/tensor/parallel/api.py) on the second
+dimension of a 2D DeviceMesh.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from launcher.backends.base import Ask, Rules
+from launcher.parallel import tp_sizes
+from launcher.types import Strategy
+
+BACKEND = "fsdp2"
+
+STRATEGIES: dict[str, Strategy] = {  # fsdp2_tp: the template; planner.py `fsdp2_tp_layouts` sizes it
+    # reshard_after_forward=True: parameters re-sharded after each block's forward (ZeRO-3-like)
+    "fsdp2": Strategy("fsdp2", BACKEND, zero_stage=3),
+    # reshard_after_forward=False: unsharded parameters kept from forward to backward (ZeRO-2-like)
+    "fsdp2_grad_op": Strategy("fsdp2_grad_op", BACKEND, zero_stage=2),
+    # CPUOffloadPolicy: sharded parameters, gradients and optimizer step on the host
+    "fsdp2_offload": Strategy("fsdp2_offload", BACKEND, zero_stage=3, offload_optimizer=True,
+                              offload_params=True),
+    # FSDP over the data-parallel mesh dimension, torch TP over tp_size (2D DeviceMesh)
+    "fsdp2_tp": Strategy("fsdp2_tp", BACKEND, zero_stage=3, tp_size=2),
+}
+
+PRECISIONS = frozenset({"32-true", "bf16-mixed", "bf16-true"})
+OPTIMIZERS = frozenset({"adamw_torch", "adamw_torch_foreach", "adamw_torch_fused", "sgd"})
+TP_FAMILIES = ("llama", "mistral", "qwen2")  # the plan in tp_plan.py names these modules
+WHY = {
+    "16-mixed": "fp16 under FSDP2 needs a sharded gradient scaler the worker does not run; use bf16-mixed",
+    "16-true": "fp16 under FSDP2 needs a sharded gradient scaler the worker does not run; use bf16-true",
+    "qlora": "QLoRA's 4-bit base is not sharded by fully_shard here; use strategy=ddp",
+    "cpu": "CPUOffloadPolicy moves shards and the optimizer step to the host; on CPU processes that is the same memory",
+}
+FSDP2 = Rules(precisions={"cuda": PRECISIONS, "cpu": PRECISIONS}, optimizers=OPTIMIZERS,
+              peft=frozenset({"none", "lora"}), why=WHY)
+OFFLOAD = Rules(precisions={"cuda": PRECISIONS}, optimizers=OPTIMIZERS, peft=frozenset({"none", "lora"}), why=WHY)
+TP = Rules(precisions={"cuda": PRECISIONS, "cpu": PRECISIONS}, optimizers=OPTIMIZERS, peft=frozenset({"none"}),
+           why={**WHY, "lora": "LoRA adapters are not in fsdp2_tp's tensor-parallel plan; use fsdp2"})
+
+
+def rules(strategy: Strategy) -> Rules:
+    if strategy.tp_size > 1:
+        return TP
+    return OFFLOAD if strategy.offload_params else FSDP2
+
+
+def problem(strategy: Strategy, ask: Ask) -> str:
+    """The 2D mesh must cover the processes: tp_size divides them."""
+    if strategy.tp_size > 1 and ask.num_processes % strategy.tp_size:
+        return f"{strategy.name}: tp_size={strategy.tp_size} does not divide {ask.num_processes} processes"
+    return ""
+
+
+def reshard_after_forward(strategy: Strategy) -> bool:
+    return strategy.name != "fsdp2_grad_op"
+
+
+def mixed_precision(precision: str) -> dict:
+    """`MixedPrecisionPolicy` fields (torch/distributed/fsdp/_fully_shard/_fsdp_api.py) for a
+    Lightning precision name, as torchtitan sets them (`mixed_precision_param`/`_reduce`):
+    bf16-mixed keeps fp32 sharded parameters and optimizer states, all-gathers and computes in
+    bf16 and reduce-scatters gradients in fp32; *-true runs in the model's dtype (no policy)."""
+    if precision == "bf16-mixed":
+        return {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    return {"param_dtype": None, "reduce_dtype": None}
+
+
+def model_dtype(precision: str) -> str:
+    """The dtype of the sharded parameters (and of the optimizer states)."""
+    return "bfloat16" if precision == "bf16-true" else "float32"
+
+
+def expand(template: Strategy, config, spec) -> list[Strategy]:
+    """fsdp2_tp: fsdp2.tp_size, or every valid tensor-parallel size (launcher/parallel.py `tp_sizes`);
+    the other FSDP2 strategies are their template."""
+    if template.name != "fsdp2_tp":
+        return [template]
+    sizes = [config.fsdp2.tp_size] if config.fsdp2.tp_size else tp_sizes(config, spec)
+    return [replace(template, tp_size=t) for t in sizes] or [template]
+
+
+def launch_problem(strategy: Strategy, spec) -> str:
+    """Why a planned FSDP2 candidate cannot run here, or '': the tensor-parallel plan
+    (tp_plan.py) names Llama-family modules."""
+    if strategy.tp_size > 1 and spec.model_type not in TP_FAMILIES:
+        return (f"fsdp2_tp's parallelize plan names Llama-family modules (launcher/backends/fsdp2/tp_plan.py), "
+                f"not {spec.model_type}'s: estimate only")
+    return ""

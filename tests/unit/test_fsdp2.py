@@ -1,0 +1,172 @@
+"""FSDP2 backend (launcher/backends/fsdp2/): shards against torch's own FSDP2, the emitted plan and
+Accelerate config through their consumers (the worker's check, Accelerate's loader and plugin),
+and the 8-GPU plan that carries FSDP2 candidates."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from launcher.backends.fsdp2.emit import accelerate_config, plan_config
+from launcher.backends.fsdp2.layout import chunk_numels, groups
+from launcher.backends.base import Ask
+from launcher.backends.fsdp2 import BACKEND
+from launcher.backends.fsdp2.rules import STRATEGIES
+from launcher.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("shape,world", [((320, 64), 2), ((321, 64), 2), ((5,), 4), ((3, 7), 8), ((176, 64), 3)])
+def test_chunks_are_torch_chunk_padded_to_the_first(shape, world):
+    """What each rank's optimizer states hold (the unpadded chunk) and its sharded parameter's
+    storage (the first chunk's size): torch.chunk itself, with empty chunks for missing ranks."""
+    import torch
+
+    t = torch.empty(shape)
+    chunks = list(torch.chunk(t, world, dim=0))
+    chunks += [t.new_empty(0)] * (world - len(chunks))
+    padded, local = chunk_numels(shape, world)
+    assert local == [c.numel() for c in chunks]
+    assert padded == chunks[0].numel()
+    assert sum(local) == math.prod(shape)
+
+
+FSDP_SHARDS = r"""
+import json, sys, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from transformers import LlamaConfig, LlamaForCausalLM
+out = []
+for rank in range(2):
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
+    m = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=175, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=321))
+    for layer in m.model.layers:
+        fully_shard(layer)
+    fully_shard(m)
+    padded = local = 0
+    for module in [*m.model.layers, m]:
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            for p in group.fsdp_params:
+                padded += p._sharded_param_data.numel()
+                local += p.sharded_param.to_local().numel()
+    out.append([padded, local])
+    dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+def test_shards_match_fully_shard_on_an_uneven_model():
+    """Every rank's sharded storage (padded) and unpadded chunk numel, summed over the groups, as
+    torch's fully_shard makes them on a fake 2-rank process group (vocabulary 321 and
+    intermediate 175: rows that 2 does not divide)."""
+    from launcher import trace
+
+    real = json.loads(subprocess.run([sys.executable, "-c", FSDP_SHARDS], capture_output=True, text=True, check=True,
+                                     env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout.splitlines()[-1])
+    key = trace.TraceKey(hf_config_json=trace.canonical_config_json(dict(
+        model_type="llama", hidden_size=64, intermediate_size=175, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=321, max_position_embeddings=512)), num_layers=2, micro_batch_size=1,
+        seq_len=8, optimizer="none")
+    t = trace.trace_step(key)
+    assert t.num_layers == 2
+    gs = groups(t, 2).values()
+    estimated = [[sum(g.padded_shard for g in gs), sum(g.local[r] for g in gs)] for r in range(2)]
+    assert estimated == real
+    assert real[0][1] != real[1][1]  # the ranks differ
+
+
+def _spec(strategy: str, precision: str, world: int, **kw):
+    return SimpleNamespace(framework_config=plan_config(STRATEGIES[strategy], precision, world), backend="fsdp2",
+                           strategy=strategy, precision=precision, optimizer=kw.get("optimizer", "adamw_torch"),
+                           device="cpu", hf_config={"model_type": kw.get("model_type", "llama")}, peft={})
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp2_grad_op", "fsdp2_tp"])
+def test_plan_json_is_what_the_worker_accepts(strategy):
+    """The worker's own check (the capability table, then the plan against the processes)."""
+    from launcher.worker.backends import check_backend
+
+    check_backend(_spec(strategy, "bf16-mixed", 2), 2)
+    with pytest.raises(ConfigError, match="does not cover the 4 processes"):
+        check_backend(_spec(strategy, "bf16-mixed", 2), 4)
+    with pytest.raises(ConfigError, match="precision=16-mixed"):
+        check_backend(_spec(strategy, "16-mixed", 2), 2)
+    if strategy == "fsdp2_tp":
+        with pytest.raises(ConfigError, match="model_type=bloom"):
+            check_backend(_spec(strategy, "bf16-mixed", 2, model_type="bloom"), 2)
+
+
+def test_plan_json_fields():
+    plan = plan_config(STRATEGIES["fsdp2_tp"], "bf16-mixed", 8)
+    assert plan["mesh"] == {"dp": 4, "tp": 2}
+    assert plan["mp_policy"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    assert plan["tp_plan"]["layer_plan"]["self_attn.o_proj"] == "rowwise"
+    assert plan_config(STRATEGIES["fsdp2_grad_op"], "32-true", 2)["reshard_after_forward"] is False
+
+
+def test_rules_name_the_problem():
+    refusal = lambda name, **kw: BACKEND.refusal(STRATEGIES[name], Ask(**{  # noqa: E731
+        "precision": "bf16-mixed", "optimizer": "adamw_torch", "device": "cuda", "num_processes": 8, **kw}))
+    assert "scaler" in refusal("fsdp2", precision="16-mixed")
+    assert "same memory" in refusal("fsdp2_offload", device="cpu")
+    assert "tensor-parallel plan" in refusal("fsdp2_tp", peft="lora")
+    assert "does not divide 5" in refusal("fsdp2_tp", num_processes=5)
+    assert "QLoRA" in refusal("fsdp2", peft="qlora")
+    assert refusal("fsdp2_tp") == "" and refusal("fsdp2", peft="lora") == ""
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp2_tp"])
+def test_accelerate_reads_the_fsdp2_config(tmp_path, strategy):
+    """Accelerate's loader accepts the file, `accelerate launch` turns it into its FSDP
+    environment, and its FullyShardedDataParallelPlugin built from that environment is FSDP2
+    with the planned resharding and wrapping."""
+    import yaml
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    path = tmp_path / "accelerate_fsdp2_config.yaml"
+    path.write_text(yaml.safe_dump(accelerate_config(STRATEGIES[strategy], "bf16-mixed", 4, 1, "cuda",
+                                                     "LlamaDecoderLayer", True)))
+    cfg = load_config_from_file(str(path))
+    assert cfg.distributed_type == DistributedType.FSDP and cfg.fsdp_config["fsdp_version"] == 2
+    args = launch_command_parser().parse_args(["--config_file", str(path), "train.py"])
+    args, *_ = _validate_launch_command(args) if isinstance(_validate_launch_command(args), tuple) else (args,)
+    env = prepare_multi_gpu_env(args)
+    old = dict(os.environ)
+    try:
+        os.environ.update(env)
+        plugin = FullyShardedDataParallelPlugin()
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+    assert plugin.transformer_cls_names_to_wrap == ["LlamaDecoderLayer"]
+    assert plugin.activation_checkpointing is True
+    if strategy == "fsdp2_tp":
+        assert env.get("PARALLELISM_CONFIG_TP_SIZE") == "2" and env.get("PARALLELISM_CONFIG_DP_SHARD_SIZE") == "2"
+
+
+def test_eight_gpus_plan_fsdp2_next_to_deepspeed_and_colossalai(cli):
+    r = cli("model=llama-3.1-8b", "gpus=8", "hardware=h100-80g", "mode=plan", "report=json", timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    plan = json.loads(r.stdout)
+    names = {c["strategy"] for c in plan["candidates"]}
+    assert {"fsdp2", "fsdp2_grad_op", "fsdp2_tp", "zero3", "cai_zero2"} <= names
+    fits = {c["strategy"] for c in plan["candidates"] if c["fits"]}
+    assert {"fsdp2", "fsdp2_grad_op"} <= fits
+    tp = {c["layout"]["tp_size"] for c in plan["candidates"] if c["strategy"] == "fsdp2_tp"}
+    assert tp == {2, 4, 8}  # 32 heads / 8 key-value heads: every divisor of 8 GPUs
+    # FSDP2 full sharding keeps less per GPU than reshard_after_forward=False at the same micro-batch
+    by = {(c["strategy"], c["micro_batch_size"]): c["memory"]["peak_allocated_bytes"]
+          for c in plan["candidates"]}
+    assert by[("fsdp2", 4)] < by[("fsdp2_grad_op", 4)]
