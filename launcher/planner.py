@@ -250,8 +250,16 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env | N
         if not micros:
             raise ConfigError(f"training.global_batch_size={config.training.global_batch_size} is not divisible by "
                               f"any micro-batch x data-parallel size {dp}; use a multiple of {dp}")
+        label = f"{strategy.name}{'' if len(variants) == 1 else ' (' + variant.label + ')'}"
         for micro in micros:
-            cand, numbers = evaluate(config, spec, cluster, strategy, micro, variant)
+            try:
+                cand, numbers = evaluate(config, spec, cluster, strategy, micro, variant)
+            except (RuntimeError, NotImplementedError) as err:  # the model's own step fails as this strategy runs it
+                why = f"the traced step fails at micro-batch {micro}: {str(err).splitlines()[0]}"
+                if config.strategy.name != "auto":
+                    raise ConfigError(f"strategy={strategy.name}: {why}") from None
+                notes.append(f"{label} not planned: {why}")
+                break
             candidates.append(cand)
             if not cand.fits:
                 break
