@@ -85,7 +85,8 @@ def test_colossalai_fine_tunes_through_the_launcher(cli, strategy):
 
 
 @needs_shardformer
-@pytest.mark.parametrize("family", ["llama", "bloom", "opt", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "bloom", pytest.param("opt", marks=pytest.mark.long),
+                                    pytest.param("gpt2", marks=pytest.mark.long)])
 def test_colossalai_tensor_parallel_run(cli, family):
     """HybridParallelPlugin tp=2 (one data-parallel rank): ColossalAI's shardformer policy of the
     family shards the model and its own forwards run in the ColossalAI environment, with the
@@ -110,7 +111,7 @@ def test_colossalai_tensor_parallel_run(cli, family):
 
 
 @needs_shardformer
-@pytest.mark.parametrize("family", ["llama", "bloom"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("bloom", marks=pytest.mark.long)])
 def test_colossalai_pipeline_run(cli, family):
     """HybridParallelPlugin pp=2, 1F1B over 2 micro-batches: ColossalAI's pipeline forwards and
     schedule train the model in the ColossalAI environment. The per-stage estimate is an upper
