@@ -324,7 +324,9 @@ def pipeline_stage_layout(trace: StepTrace, z: ZeroSetup, stage: int, pp_size: i
       the micro-batches (`.grad` kept until `zero_grad`): when m > k a forward runs after a
       backward with every gradient alive, and later backwards start with them;
     - the last stage's loss: shardformer/layer/loss.py `dist_cross_entropy` copies the shifted
-      logits (`logits[..., :-1, :].contiguous()`) and labels, alive through the loss forward;
+      logits (`logits[..., :-1, :].contiguous()`) and labels, alive through the loss forward; with a
+      16-bit model it runs `CrossEntropyLoss` on them in that dtype, so the traced loss's fp32 rows
+      (transformers 4.51 `ForCausalLMLoss` upcasts the logits) become one 16-bit log-softmax;
     - the step's input: the worker (launcher/backends/colossalai/worker.py `_pipeline_micro_step`)
       keeps the m micro-batches' token ids and their concatenation (int64), of which the trace holds
       one micro-batch's."""
@@ -343,7 +345,8 @@ def pipeline_stage_layout(trace: StepTrace, z: ZeroSetup, stage: int, pp_size: i
     lb0, lb1 = t.layer_bounds["backward"]
     other = ~by_param
     hidden = int(t.params.shapes[int(np.flatnonzero(t.params.role == Role.EMBEDDING)[0])][-1])
-    boundary = t.micro_batch_size * t.seq_len * hidden * z.model_bytes  # one micro-batch's hidden state
+    tokens = t.micro_batch_size * t.seq_len
+    boundary = tokens * hidden * z.model_bytes  # one micro-batch's hidden state
     head = ((t.alloc >= lf1) & (t.alloc < fb)) | ((t.alloc >= ba) & (t.alloc < lb0))
     embed = (((t.alloc >= fa) & (t.alloc < lf0) & (t.nbytes == boundary))
              | ((t.alloc >= lb1) & (t.alloc < bb)))
@@ -359,7 +362,6 @@ def pipeline_stage_layout(trace: StepTrace, z: ZeroSetup, stage: int, pp_size: i
         pending = (t.alloc >= ba) & (t.alloc < lb0) & (t.free >= lb1)
         layout.mask &= ~(other & (embed | pending))
     layers_end = int(layout.ev(lb1))
-    tokens = t.micro_batch_size * t.seq_len
     layout.add("pipeline_batch", "buffers", (2 * micro - 1) * tokens * 8)
     if stage > 0:
         layout.add("p2p_recv_hidden_state", "activations", boundary, fa, layers_end)
@@ -384,6 +386,16 @@ def pipeline_stage_layout(trace: StepTrace, z: ZeroSetup, stage: int, pp_size: i
         vocab = int(t.params.shapes[int(np.flatnonzero(t.params.role == Role.EMBEDDING)[0])][0])
         shifted = t.micro_batch_size * (t.seq_len - 1)
         layout.add("shifted_logits", "activations", shifted * (vocab * z.model_bytes + 8), int(layout.ev(lf1)), fb)
+        if z.model_bytes != 4 and t.itemsize is not None:
+            # the traced loss (transformers 4.51 `ForCausalLMLoss`) upcasts the logits and takes an
+            # fp32 log-softmax (and its fp32 gradients); `dist_cross_entropy` runs
+            # `CrossEntropyLoss` on the 16-bit shifted logits: its log-softmax output is saved
+            # until the loss backward
+            fp32 = other & head & (t.itemsize == 4) & (t.nbytes % (tokens * vocab * 4) == 0) & (t.nbytes > 0)
+            if fp32.any():
+                layout.mask &= ~fp32
+                layout.add("log_softmax_16bit", "activations", shifted * vocab * z.model_bytes,
+                           int(layout.alloc[fp32].min()), int(layout.free[fp32].max()))
     if micro > 1 and (micro > k or grad_bytes > inflight):
         layout.alloc[grads] = np.minimum(layout.alloc[grads], ba)
     if micro > k or inflight >= grad_bytes:
