@@ -63,7 +63,8 @@ def layout_set(traces: TraceSet, strategy: Strategy, workload: Workload, knobs, 
 def estimate(traces: TraceSet, strategy: Strategy, workload: Workload, cluster: Cluster, knobs,
              dp_size: int, attention_workspace_bytes: int = 0) -> MemoryEstimate:
     """Peak memory of the worst rank of `strategy` (module docstring: method and assumptions),
-    with every rank's peak in `per_rank_peak_allocated_bytes` when ranks differ (ZeRO 1-2).
+    with every rank's peak in `per_rank_peak_allocated_bytes` (by global rank, from the
+    LayoutSet's groups) when ranks differ (ZeRO 1-2, pipeline stages).
     `knobs`: config group name -> its dataclass (the backend reads its own).
     `attention_workspace_bytes`: a GPU attention kernel's backward workspace
     (runtime.py `flash_attention_backward_bytes`), added to the backward peak on cuda."""
@@ -82,7 +83,7 @@ def estimate(traces: TraceSet, strategy: Strategy, workload: Workload, cluster: 
         if worst is None or totals[2] > worst[1][2]:
             worst = (list(layouts), totals)
     est = _estimate(traces, worst[0], notes, gathered, extra, cluster, dp_size, totals=worst[1])
-    return replace(est, per_rank_peak_allocated_bytes=tuple(per_rank[r] for r in range(dp_size)))
+    return replace(est, per_rank_peak_allocated_bytes=tuple(per_rank[r] for r in sorted(per_rank)))
 
 
 def estimate_memory(traces: TraceSet, strategy: Strategy, workload: Workload, cluster: Cluster,

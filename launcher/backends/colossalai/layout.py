@@ -5,12 +5,16 @@
 - cai_tp (hybrid_parallel_plugin.py): the tensor-parallel shard model is traced (trace.py
   `tp_shard_config`); ZeRO 1/2 on the DP group is `lowlevel_zero_layout`, stage 0 is
   `hybrid_stage0_layout`; TP buffers are added in `tp_extra_bytes`.
-- cai_pp: per stage from the traced step (`pipeline_stage_bytes`).
+- cai_pp (zero_stage 0): one layout per pipeline stage from the traced step
+  (`pipeline_stage_layout`); with zero_stage 1/2 the stage is still bounded by
+  `pipeline_inflight_bytes`.
 - cai_gemini (gemini_plugin.py): chunk layout from gemini.py plus the traced activations.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+
+import numpy as np
 
 from launcher.backends.base import LayoutSet
 from launcher.backends.colossalai.emit import PARALLEL_OUTPUT, num_microbatches, overlap
@@ -23,7 +27,7 @@ from launcher.memory.common import (DTYPE_BYTES, Layout, grad_ready_order, optim
 from launcher.backends.colossalai.rules import PLUGIN
 from launcher.backends.colossalai.runtime import uses_shardformer
 from launcher.precision import FRAMEWORK, torch_trace_request
-from launcher.steptrace import Kind, StepTrace
+from launcher.steptrace import Kind, Role, StepTrace
 
 PLUGIN_DTYPE = {p: FRAMEWORK[p] for p in PLUGIN}  # the plugins' module dtype (launcher/precision.py)
 MEGA = 1024**2
@@ -134,15 +138,17 @@ def hybrid_uses_torch_ddp(dp: int, pp_size: int, zero_stage: int) -> bool:
     return pp_size == 1 and (dp == 1 or zero_stage == 0)
 
 
-def hybrid_stage0_layout(trace: StepTrace, z: ZeroSetup, ddp_bucket_bytes: list[int]) -> Layout:
+def hybrid_stage0_layout(trace: StepTrace, z: ZeroSetup, ddp_bucket_bytes: list[int],
+                         params: list[int] | None = None) -> Layout:
     """HybridParallelPlugin zero_stage 0 on the traced shard (hybrid_parallel_plugin.py): fp32 ->
     `HybridParallelNaiveOptimizer` stepping the torch optimizer on the shard's own parameters;
     16-bit -> `HybridParallelAMPOptimizer` (amp/naive_amp/mixed_precision_optimizer.py: an fp32
     master copy per parameter, gradients cast to fp32 in `step`). Where the plugin wraps the shard in
     torch DDP (`hybrid_uses_torch_ddp`) its gradient buckets (`ddp_bucket_bytes`, ddp.py; plugin default gradient_as_bucket_view
-    as emitted) are added as a second copy of the gradients."""
+    as emitted) are added as a second copy of the gradients. `params`: the parameter indices the
+    rank holds (a pipeline stage's, `pipeline_stage_params`); default every trainable one."""
     layout = Layout.of(trace, reduce_events=0, step_events=2)
-    idx = trainable_params(trace)
+    idx = trainable_params(trace) if params is None else params
     numels = [int(trace.params.numel[i]) for i in idx]
     total = sum(numels)
     for j, nbytes in enumerate(ddp_bucket_bytes):
@@ -206,7 +212,10 @@ def _zero_setup(strategy, workload, cai, dp: int, device: str) -> ZeroSetup:
 
 
 def memory(traces, strategy, workload, knobs, dp: int, device: str) -> LayoutSet:
-    """The plugin's `LayoutSet`: every rank of the data-parallel group holds the same bytes."""
+    """The plugin's `LayoutSet`: every rank of the data-parallel group holds the same bytes; a
+    pipeline (zero_stage 0) has one group of ranks per stage (`pipeline_memory`)."""
+    if strategy.pp_size > 1 and strategy.zero_stage == 0:
+        return pipeline_memory(traces, strategy, workload, knobs["colossalai"], dp, device)
     traces, layouts, notes, extra = colossalai_memory(traces, strategy, workload, knobs["ddp"], knobs["colossalai"],
                                                       dp, device)
     return LayoutSet(groups=(((), tuple(layouts)),), traces=traces, notes=tuple(notes), extra=extra)
@@ -251,6 +260,169 @@ def _add(a: dict, b: dict) -> dict:
     return out
 
 
+def pipeline_stage_layers(num_layers: int, pp_size: int) -> list[int]:
+    """Decoder layers per stage: pipeline/stage_manager.py `PipelineStageManager.distribute_layers`
+    (num_layers // pp each, the remainder spread from the middle stage down)."""
+    q, r = divmod(num_layers, pp_size)
+    out = [q] * pp_size
+    start = pp_size // 2 - r // 2
+    for i in range(start, start + r):
+        out[i] += 1
+    return out
+
+
+def pipeline_stage_ranks(stage: int, dp: int, pp_size: int, tp_size: int) -> tuple:
+    """Global ranks of one stage: HybridParallelPlugin's default mesh is
+    `ProcessGroupMesh(dp_size, pp_size, tp_size, sp_size)` (booster/plugin/hybrid_parallel_plugin.py,
+    dp_outside=True), so rank = (dp_i * pp + stage) * tp + tp_i."""
+    return tuple((d * pp_size + stage) * tp_size + t for d in range(dp) for t in range(tp_size))
+
+
+def pipeline_stage_params(trace: StepTrace, stage: int, pp_size: int) -> list[int]:
+    """Trainable parameters a stage holds (shardformer/policies/llama.py and bloom.py
+    `get_held_layers`): the embedding (and BLOOM's `word_embeddings_layernorm`) on the first stage,
+    the decoder layers on every stage (the traced layers stand for the stage's own), the final norm
+    and the LM head on the last. A tied LM head is its own copy on the last stage (policies'
+    `get_shared_params`): the embedding storage is counted there too."""
+    p = trace.params
+    first, last = stage == 0, stage == pp_size - 1
+    out: list[int] = []
+    for i in range(len(p.names)):
+        role = int(p.role[i])
+        held = (role == Role.EMBEDDING and first) or (role == Role.HEAD and last) or role in (Role.LAYER, Role.OTHER)
+        j = int(p.tied_to[i]) if p.tied_to[i] >= 0 else i
+        if held and p.trainable[j] and j not in out:
+            out.append(j)
+    return out
+
+
+def pipeline_stage_layout(trace: StepTrace, z: ZeroSetup, stage: int, pp_size: int, micro: int) -> Layout:
+    """One pipeline stage of HybridParallelPlugin (zero_stage 0, no DDP wrap: `hybrid_uses_torch_ddp`)
+    under 1F1B (pipeline/schedule/one_f_one_b.py `OneForwardOneBackwardSchedule.run_forward_backward`),
+    from the traced step (the traced layers stand for the stage's own; depth is extrapolated to the
+    largest stage's, `pipeline_memory`):
+    - parameters, gradients and optimizer states of the stage's parameters only (`pipeline_stage_params`);
+    - activations by where the traced step allocated them (`StepTrace.layer_bounds`): the layers' rows
+      are every stage's; rows allocated after the last layer in forward or before its backward
+      (final norm, LM head, loss) are the last stage's; before the first layer, the hidden-state-sized
+      rows (token embedding, BLOOM's embedding LayerNorm) and every row of the embedding's backward
+      are the first stage's, while the position tensors (rotary cos/sin, ALiBi) are recomputed on every
+      stage (shardformer/modeling/llama.py `llama_model_forward`; `get_held_layers` gives every stage
+      `rotary_emb`);
+    - a non-last stage's output (`output_obj`) stays referenced until its `backward_step` returns;
+      a tied LM head's gradient contribution waiting for the embedding's is not the last stage's
+      (its LM head is its own parameter there and accumulates directly);
+    - p2p buffers (pipeline/p2p.py `_create_recv_buffer`: `torch.empty` of the received shape): a
+      non-first stage's received hidden state (`input_obj`, micro-batch x seq x hidden) alive until
+      its layers' backward ends, a non-last stage's received output gradient (`recv_backward`) through
+      its backward; the previous backward's `input_obj_grad`, referenced until the next backward
+      returns, on a non-first stage with m > 1;
+    - 1F1B: `num_warmup_microbatches = num_stages - stage - 1` forwards, then one forward per
+      backward, so k = min(pp - stage, m) micro-batches' activations are alive at the stage's first
+      backward (`input_objs`/`output_objs`): the k - 1 others (each the stage's rows allocated in
+      forward and alive at its end) are added over forward and backward. Gradients accumulate over
+      the micro-batches (`.grad` kept until `zero_grad`): when m > k a forward runs after a
+      backward with every gradient alive, and later backwards start with them;
+    - the last stage's loss: shardformer/layer/loss.py `dist_cross_entropy` copies the shifted
+      logits (`logits[..., :-1, :].contiguous()`) and labels, alive through the loss forward; with a
+      16-bit model it runs `CrossEntropyLoss` on them in that dtype, so the traced loss's fp32 rows
+      (transformers 4.51 `ForCausalLMLoss` upcasts the logits) become one 16-bit log-softmax;
+    - the step's input: the worker (launcher/backends/colossalai/worker.py `_pipeline_micro_step`)
+      keeps the m micro-batches' token ids and their concatenation (int64), of which the trace holds
+      one micro-batch's."""
+    params = pipeline_stage_params(trace, stage, pp_size)
+    layout = hybrid_stage0_layout(trace, z, [], params)
+    t = layout.trace
+    held = np.zeros(len(t.params.names), bool)
+    held[params] = True
+    owner = np.where(t.param >= 0, t.param, 0)
+    owner = np.where(t.params.tied_to[owner] >= 0, t.params.tied_to[owner], owner)
+    by_param = (t.param >= 0) & np.isin(t.kind, [Kind.PARAM, Kind.GRAD, Kind.OPTIM])
+    layout.mask &= ~by_param | held[owner]
+    fa, fb = t.phases["forward"]
+    ba, bb = t.phases["backward"]
+    lf0, lf1 = t.layer_bounds["forward"]
+    lb0, lb1 = t.layer_bounds["backward"]
+    other = ~by_param
+    hidden = int(t.params.shapes[int(np.flatnonzero(t.params.role == Role.EMBEDDING)[0])][-1])
+    tokens = t.micro_batch_size * t.seq_len
+    boundary = tokens * hidden * z.model_bytes  # one micro-batch's hidden state
+    head = ((t.alloc >= lf1) & (t.alloc < fb)) | ((t.alloc >= ba) & (t.alloc < lb0))
+    embed = (((t.alloc >= fa) & (t.alloc < lf0) & (t.nbytes == boundary))
+             | ((t.alloc >= lb1) & (t.alloc < bb)))
+    if stage < pp_size - 1:
+        layout.mask &= ~(other & head)
+        # the stage's output (`output_obj`, consumed by the LM head in the traced step) stays
+        # referenced by the schedule until its `backward_step` returns
+        out = other & (t.alloc >= lf0) & (t.alloc < lf1) & (t.free >= ba) & (t.free < lb0)
+        layout.free[out] = layout.ev(lb1)
+    if stage > 0:
+        # and rows made in the LM head's backward that wait for the embedding's (a tied weight's
+        # gradient contribution): the last stage's LM head is its own parameter
+        pending = (t.alloc >= ba) & (t.alloc < lb0) & (t.free >= lb1)
+        layout.mask &= ~(other & (embed | pending))
+    layers_end = int(layout.ev(lb1))
+    layout.add("pipeline_batch", "buffers", (2 * micro - 1) * tokens * 8)
+    if stage > 0:
+        layout.add("p2p_recv_hidden_state", "activations", boundary, fa, layers_end)
+    if stage < pp_size - 1:
+        layout.add("p2p_recv_output_grad", "activations", boundary, ba, layers_end)
+    kept = layout.mask & (layout.alloc >= fa) & (layout.alloc < fb) & (layout.free >= fb)
+    saved = int(t.nbytes[kept].sum()) + (boundary if stage > 0 else 0)
+    k = min(pp_size - stage, micro)
+    inflight = (k - 1) * saved
+    grads = layout.rows(Kind.GRAD)
+    grad_bytes = int(t.nbytes[grads].sum())
+    end = layout.reduce_ev(0)
+    if micro > k:
+        layout.add("accumulated_gradients", "gradients", grad_bytes, fa, fb)
+    if micro > 1 and stage > 0:
+        # the previous backward's `input_obj_grad` stays referenced until the next `backward_step`
+        # returns: through the next forward and the later backwards
+        layout.add("previous_input_grad", "activations", boundary, fa, end)
+    if stage == pp_size - 1:
+        # shardformer/layer/loss.py `dist_cross_entropy` (the shardformer's causal-LM forwards):
+        # `logits[..., :-1, :].contiguous()` and the shifted labels, alive through the loss forward
+        vocab = int(t.params.shapes[int(np.flatnonzero(t.params.role == Role.EMBEDDING)[0])][0])
+        shifted = t.micro_batch_size * (t.seq_len - 1)
+        layout.add("shifted_logits", "activations", shifted * (vocab * z.model_bytes + 8), int(layout.ev(lf1)), fb)
+        if z.model_bytes != 4 and t.itemsize is not None:
+            # the traced loss (transformers 4.51 `ForCausalLMLoss`) upcasts the logits and takes an
+            # fp32 log-softmax (and its fp32 gradients); `dist_cross_entropy` runs
+            # `CrossEntropyLoss` on the 16-bit shifted logits: its log-softmax output is saved
+            # until the loss backward
+            fp32 = other & head & (t.itemsize == 4) & (t.nbytes % (tokens * vocab * 4) == 0) & (t.nbytes > 0)
+            if fp32.any():
+                layout.mask &= ~fp32
+                layout.add("log_softmax_16bit", "activations", shifted * vocab * z.model_bytes,
+                           int(layout.alloc[fp32].min()), int(layout.free[fp32].max()))
+    if micro > 1 and (micro > k or grad_bytes > inflight):
+        layout.alloc[grads] = np.minimum(layout.alloc[grads], ba)
+    if micro > k or inflight >= grad_bytes:
+        layout.add("inflight_microbatches", "activations", inflight, fa, end)
+    return layout
+
+
+def pipeline_memory(traces, strategy, workload, cai, dp: int, device: str) -> LayoutSet:
+    """cai_pp: one group of ranks per stage (`pipeline_stage_ranks`), each with its own layout
+    (`pipeline_stage_layout`), extrapolated to the largest stage's depth."""
+    z = _zero_setup(strategy, workload, cai, dp, device)
+    pp, m = strategy.pp_size, num_microbatches(cai, strategy.pp_size)
+    depth = max(pipeline_stage_layers(traces.num_layers, pp))
+    groups = tuple((pipeline_stage_ranks(s, dp, pp, strategy.tp_size),
+                    tuple(pipeline_stage_layout(t, z, s, pp, m) for t in (traces.depth1, traces.depth2)))
+                   for s in range(pp))
+    extra: dict = {}
+    if strategy.tp_size > 1:
+        tokens = traces.depth1.micro_batch_size * traces.depth1.seq_len
+        b = tp_extra_bytes(tokens, strategy.tp_size, z.model_bytes, PARALLEL_OUTPUT, 0)
+        extra = {ph: {"activations": b} for ph in ("forward", "backward")}
+    notes = (f"ColossalAI cai_pp: each of the {pp} stages from the traced step (its parameters, its "
+             f"activations, p2p buffers, min(pp - stage, {m}) micro-batches in flight under 1F1B); "
+             "launcher/backends/colossalai/layout.py `pipeline_stage_layout`.",)
+    return LayoutSet(groups=groups, traces=replace(traces, num_layers=max(1, depth)), notes=notes, extra=extra)
+
+
 def pipeline_inflight_bytes(traces, pp_size: int, cai) -> dict:
     """1F1B (pipeline/schedule/one_f_one_b.py `run_forward_backward`): stage 0 runs
     min(p, m) warm-up forwards before its first backward, so it holds the saved activations of
@@ -258,7 +430,8 @@ def pipeline_inflight_bytes(traces, pp_size: int, cai) -> dict:
     the other min(p, m) - 1 are added: the live bytes at the end of the traced forward minus at its
     start, at the stage's depth. Each stage is estimated with the embedding and the LM head both
     present (an upper bound for the worst rank: the embedding is on the first stage, the LM head
-    and the loss on the last)."""
+    and the loss on the last). Used with zero_stage 1/2; zero_stage 0 is modelled per stage
+    (`pipeline_memory`)."""
     m = num_microbatches(cai, pp_size)
 
     def saved(t):
