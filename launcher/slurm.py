@@ -208,14 +208,17 @@ def in_queue(job_id: str) -> bool:
 
 
 def wait_for_end(sjob, timeout_s: float, poll_s: float = 2.0, settle_s: float = 30.0) -> str:
-    """Poll until the job has ended (submitit done, or gone from squeue) or `timeout_s` passed;
-    return the final sacct state, 'UNKNOWN' without accounting, or 'WAIT_TIMEOUT'."""
+    """Poll until the job has ended (submitit done and out of squeue, or gone from squeue) or
+    `timeout_s` passed; return the final sacct state, 'UNKNOWN' without accounting, or
+    'WAIT_TIMEOUT'. A job requeued after preemption can show its last run's FAILED in sacct while it
+    waits in the queue again, so the queue decides."""
     deadline = time.monotonic() + timeout_s
     gone_polls = 0
     while True:
-        if sjob.done(force_check=True):
+        queued = in_queue(sjob.job_id)
+        if sjob.done(force_check=True) and not queued:  # a requeued job is back in the queue: not done
             break
-        gone_polls = gone_polls + 1 if not in_queue(sjob.job_id) else 0
+        gone_polls = gone_polls + 1 if not queued else 0
         if gone_polls >= 3:  # left the queue, but neither a result nor accounting says so yet
             break
         if time.monotonic() > deadline:
