@@ -17,7 +17,6 @@ from launcher.shell import shell_word  # quotes, but keeps ${MASTER_ADDR}/${RUN_
 from launcher.types import Candidate, Plan, Strategy
 from launcher.backends import registry
 from launcher.emit import emit
-from launcher.planner import backend_knobs
 from launcher.recipes import installed_versions # provenance of measured numbers (recipe_from=)
 from launcher.errors import ConfigError
 
@@ -99,7 +98,7 @@ def prepare(plan: Plan, config: LauncherConfig, spec: ModelSpec, run_dir: Path) 
     """Write run.json, the emitted framework config and launch_command.sh; return the Job."""
     c = plan.candidates[plan.chosen]
     dp = config.gpus // (c.strategy.tp_size * c.strategy.pp_size)
-    filename, framework = emit(c.strategy, training=config.training, knobs=backend_knobs(config),
+    filename, framework = emit(c.strategy, training=config.training, knobs=registry.knobs(config),
                                micro_batch_size=c.micro_batch_size, grad_accum_steps=c.grad_accum_steps, dp_size=dp,
                                device=config.hardware.device, vocab_size=spec.vocab_size)
     (run_dir / filename).write_text(json.dumps(framework, indent=2, sort_keys=True) + "\n")

@@ -113,8 +113,9 @@ def launch_problem(strategy: Strategy, spec: ModelSpec, peft: dict | None = None
         return ("QLoRA of 3D expert parameters: estimated 4-bit per expert, but the worker's bitsandbytes "
                 "conversion quantizes nn.Linear only: estimate only")
     hook = backend_of(strategy).launch_problem
-    if hook and hook(strategy, spec):
-        return hook(strategy, spec)
+    why = hook(strategy, spec) if hook else ""
+    if why:
+        return why
     if strategy.backend != "colossalai" or (strategy.tp_size == 1 and strategy.pp_size == 1):
         return ""
     if spec.vocab_size % strategy.tp_size:
@@ -155,11 +156,6 @@ def model_numbers(traces) -> dict:
             "num_trainable_params": round(traces.at_depth(lambda t: count(t, True)))}
 
 
-def backend_knobs(config: LauncherConfig) -> dict:
-    """Config group name -> its dataclass, for every group a registered backend reads."""
-    return {name: getattr(config, name) for b in registry.REGISTRY.values() for name in b.knobs}
-
-
 def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy: Strategy,
              micro: int, variant=None) -> tuple[Candidate, dict]:
     """Estimate one candidate's memory and speed from the traced step; `variant`
@@ -172,7 +168,7 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
     accum = grad_accum(config, micro, dp)
     if backend_of(strategy).grad_accum:  # e.g. a pipeline's micro-batches
         accum = backend_of(strategy).grad_accum(strategy, config, accum)
-    knobs = backend_knobs(config)
+    knobs = registry.knobs(config)
     mem = memory_model.estimate(traces, strategy, wl, cluster, knobs, dp, attention_workspace(spec, strategy, wl))
     mem = replace(mem, notes=tuple(mem.notes) + trace.trace_notes(trace_key(spec, strategy, wl, variant.lora)))
     flops = {k: traces.at_depth(lambda t, k=k: t.flops.get(k, 0.0))

@@ -54,8 +54,8 @@ from typing import Mapping, Optional
 
 from launcher.backends.base import CommInput
 from launcher.backends.registry import backend_of
+from launcher.backends.registry import knobs as registry_knobs
 from launcher.collectives import GB, bus_bandwidth_gbps
-from launcher.config import ColossalAIConfig, DDPConfig, DeepSpeedConfig
 from launcher.errors import ConfigError
 from launcher.host_time import host_time_s
 from launcher.precision import compute_dtype
@@ -123,8 +123,7 @@ def estimate_speed(flops_per_micro_batch: Mapping[str, float], strategy: Strateg
     asynchronous, so compute_s = max(FLOP time, ops x op_overhead_s) (launch-bound small
     kernels) and the rest is unchanged.
     """
-    knobs = {"deepspeed": ds or DeepSpeedConfig(), "ddp": ddp or DDPConfig(), "colossalai": cai or ColossalAIConfig(),
-             **(knobs or {})}
+    knobs = registry_knobs(**{"deepspeed": ds, "ddp": ddp, "colossalai": cai, **(knobs or {})})
     trainable = num_params if num_trainable_params is None else num_trainable_params
     dtype = compute_dtype(workload.precision)
     if dtype not in cluster.peak_tflops:

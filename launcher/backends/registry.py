@@ -6,6 +6,7 @@ import importlib
 
 from launcher.backends import colossalai, ddp, deepspeed, fsdp2
 from launcher.backends.base import Backend
+from launcher.config import LauncherConfig
 from launcher.errors import ConfigError
 from launcher.types import Strategy
 
@@ -54,3 +55,12 @@ def load(path: str):
     """The object a 'module:attribute' path names (a backend's worker parts, imported only by the worker)."""
     module, _, attribute = path.partition(":")
     return getattr(importlib.import_module(module), attribute)
+
+
+def knobs(config: LauncherConfig | None = None, **given) -> dict:
+    """Config group name -> its dataclass, for every group a registered backend reads (Backend.knobs),
+    from `config` (default: every group's defaults); `given` groups replace those (None keeps it)."""
+    config = config or LauncherConfig()
+    out = {name: getattr(config, name) for backend in REGISTRY.values() for name in backend.knobs}
+    out.update({name: value for name, value in given.items() if value is not None})
+    return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from launcher.backends.base import EmitInput
 from launcher.backends.registry import REGISTRY, backend_of
+from launcher.backends.registry import knobs as registry_knobs
 from launcher.config import ColossalAIConfig, DDPConfig, DeepSpeedConfig, TrainingConfig
 from launcher.types import Strategy
 
@@ -16,8 +17,7 @@ def emit(strategy: Strategy, *, training: TrainingConfig, deepspeed: DeepSpeedCo
          device: str = "cuda", vocab_size: int = 0, knobs: dict | None = None) -> tuple[str, dict]:
     """(file name, config) for the strategy's backend; `knobs` (config group -> dataclass) adds to
     or overrides the groups given one by one."""
-    knobs = {"deepspeed": deepspeed or DeepSpeedConfig(), "ddp": ddp or DDPConfig(),
-             "colossalai": colossalai or ColossalAIConfig(), **(knobs or {})}
+    knobs = registry_knobs(**{"deepspeed": deepspeed, "ddp": ddp, "colossalai": colossalai, **(knobs or {})})
     backend = backend_of(strategy)
     return backend.emit_file, backend.emit(EmitInput(strategy, training, knobs, micro_batch_size, grad_accum_steps,
                                                      dp_size, device, vocab_size))

@@ -39,7 +39,7 @@ from dataclasses import replace
 
 from launcher.backends.base import LayoutSet
 from launcher.backends.registry import backend_of
-from launcher.config import ColossalAIConfig, DDPConfig, DeepSpeedConfig
+from launcher.backends.registry import knobs as registry_knobs
 from launcher.steptrace import TraceSet
 from launcher.types import Cluster, MemoryEstimate, Strategy, Workload
 
@@ -90,8 +90,7 @@ def estimate_memory(traces: TraceSet, strategy: Strategy, workload: Workload, cl
                     ds=None, ddp=None, dp_size: int = 1, cai=None, attention_workspace_bytes: int = 0,
                     knobs=None) -> MemoryEstimate:
     """`estimate` with the knobs given one by one (DeepSpeed, DDP, ColossalAI; defaults when None)."""
-    knobs = {"deepspeed": ds or DeepSpeedConfig(), "ddp": ddp or DDPConfig(),
-             "colossalai": cai or ColossalAIConfig(), **(knobs or {})}
+    knobs = registry_knobs(**{"deepspeed": ds, "ddp": ddp, "colossalai": cai, **(knobs or {})})
     return estimate(traces, strategy, workload, cluster, knobs, dp_size, attention_workspace_bytes)
 
 

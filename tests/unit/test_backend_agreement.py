@@ -17,7 +17,7 @@ from launcher.config import LauncherConfig, Optimizer, Precision
 from launcher.emit import emit
 from launcher.environment import detect
 from launcher.errors import ConfigError
-from launcher.planner import backend_knobs, unsupported
+from launcher.planner import unsupported
 from launcher.runspec import RunSpec
 from launcher.types import Cluster
 from launcher.worker.backends import check_backend
@@ -69,7 +69,7 @@ def test_planner_accepts_only_what_the_worker_runs(optimizer_problems):
             continue
         checked += 1
         try:
-            file_name, framework = emit(strategy, training=config.training, knobs=backend_knobs(config),
+            file_name, framework = emit(strategy, training=config.training, knobs=registry.knobs(config),
                                         micro_batch_size=1, grad_accum_steps=1,
                                         dp_size=gpus // (strategy.tp_size * strategy.pp_size) or 1, device=device)
             spec = RunSpec(run_dir=".", backend=strategy.backend, strategy=strategy.name, model_name="m", hf_config={},
