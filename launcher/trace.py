@@ -47,6 +47,7 @@ from launcher.tp_shard import shard_model, shardable
 from launcher.steptrace import Kind, OpClass, ParamTable, Role, StepTrace, TraceSet
 from launcher.backends.colossalai.emit import vocab_multiple
 from launcher.vocab_parallel_loss import vocab_parallel_loss
+from launcher import checkpointing
 from launcher import peft as lp
 from launcher.peft import four_bit_storage_bytes
 from launcher.peft import LoraSettings
@@ -76,6 +77,7 @@ class TraceKey:
     autocast_dtype: Optional[str] = None  # None | bfloat16 | float16: autocast on forward+loss
     attn_implementation: str = "sdpa"  # eager | sdpa | flash_attention_2 (traced as sdpa)
     gradient_checkpointing: bool = False
+    checkpoint_policy: str = "full"  # with gradient_checkpointing: launcher/checkpointing.py POLICIES
     optimizer: str = "adamw_foreach"  # adamw_foreach | adamw_single | adamw_fused | sgd | none
     trainable: str = "all"  # 'all' parameters train | 'lora': peft LoRA adapters on a frozen base
     # --- trainable='lora' (launcher/peft.py LoraSettings): the peft.LoraConfig applied in the trace
@@ -99,6 +101,7 @@ class TraceKey:
         _check(self.autocast_dtype, (None, "bfloat16", "float16"), "autocast_dtype")
         _check(self.attn_implementation, ATTN_IMPLEMENTATIONS, "attn_implementation")
         _check(self.optimizer, OPTIMIZERS, "optimizer")
+        _check(self.checkpoint_policy, checkpointing.POLICIES, "checkpoint_policy")
         _check(self.trainable, ("all", "lora"), "trainable")
         _check(self.quant_type, (None, "nf4", "fp4", "gptq_int4", "gptq_int8"), "quant_type")
         if self.trainable == "lora" and self.lora_r < 1:
@@ -324,8 +327,7 @@ def _run_step(key: TraceKey, rec: _Recorder, marks: dict, grads: dict):
     if key.tp_size > 1 and model.config.model_type not in TP_SHARDABLE:  # its family's rule (tp_shard.py)
         shard_model(model, key.tp_size, tp_padded_vocab(model.config.vocab_size, key.tp_size))
     if key.gradient_checkpointing:
-        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x
-        (enable or model.gradient_checkpointing_enable)()
+        checkpointing.enable(model, key.checkpoint_policy)
     vocab_size = model.config.vocab_size
     if key.trainable == "lora":
         model, marks["quantized"] = _apply_lora(model, key)
@@ -683,6 +685,8 @@ def _cache_key(key: TraceKey) -> str:
         # unset: the key hashes as before the field existed
         if not fields.get(name):
             fields.pop(name, None)
+    if fields.get("checkpoint_policy") == "full":  # the default hashes as before the field existed
+        del fields["checkpoint_policy"]
     if fields.get("tp_size") == 1:  # keys without tensor parallelism hash as before tp_size existed
         del fields["tp_size"]
     else:  # the shard layout (vocabulary padding multiple, `tp_padded_vocab`) is part of the trace
