@@ -304,14 +304,18 @@ def pipeline_stage_layout(trace: StepTrace, z: ZeroSetup, stage: int, pp_size: i
     - parameters, gradients and optimizer states of the stage's parameters only (`pipeline_stage_params`);
     - activations by where the traced step allocated them (`StepTrace.layer_bounds`): the layers' rows
       are every stage's; rows allocated after the last layer in forward or before its backward
-      (final norm, LM head, loss) are the last stage's; before the first layer, the hidden-state-sized
-      rows (token embedding, BLOOM's embedding LayerNorm) and every row of the embedding's backward
-      are the first stage's, while the position tensors (rotary cos/sin, ALiBi) are recomputed on every
-      stage (shardformer/modeling/llama.py `llama_model_forward`; `get_held_layers` gives every stage
+      (final norm, LM head, loss) are the last stage's; before the first layer, the rows up to the
+      first layer's input hidden state (`layer_bounds['embedding']`: token embedding, BLOOM's
+      embedding LayerNorm output) and every row of the embedding's backward are the first stage's,
+      while what the model computes after it (rotary cos/sin, ALiBi, the 4D causal mask) is
+      recomputed on every stage (shardformer/modeling/llama.py `llama_model_forward` and bloom.py
+      `bloom_model_forward` build them on every stage; `get_held_layers` gives every stage
       `rotary_emb`);
-    - a non-last stage's output (`output_obj`) stays referenced until its `backward_step` returns;
-      a tied LM head's gradient contribution waiting for the embedding's is not the last stage's
-      (its LM head is its own parameter there and accumulates directly);
+    - a non-last stage's output (`output_obj`, the last layer's output hidden state,
+      `layer_bounds['output']`) stays referenced until its `backward_step` returns, also where the
+      traced final norm frees it in forward (a 16-bit model's RMSNorm keeps only its fp32 upcast); a tied LM head's gradient contribution waiting
+      for the embedding's is not the last stage's (its LM head is its own parameter there and
+      accumulates directly);
     - p2p buffers (pipeline/p2p.py `_create_recv_buffer`: `torch.empty` of the received shape): a
       non-first stage's received hidden state (`input_obj`, micro-batch x seq x hidden) alive until
       its layers' backward ends, a non-last stage's received output gradient (`recv_backward`) through
@@ -323,6 +327,12 @@ def pipeline_stage_layout(trace: StepTrace, z: ZeroSetup, stage: int, pp_size: i
       forward and alive at its end) are added over forward and backward. Gradients accumulate over
       the micro-batches (`.grad` kept until `zero_grad`): when m > k a forward runs after a
       backward with every gradient alive, and later backwards start with them;
+    - when m > k, that forward also runs with the previous backward's micro-batch still referenced
+      by the steady-state loop's locals until `forward_step` returns (`output_obj` is rebound to its
+      result; `output_obj_grad` only by the `send_forward_recv_backward` after it): on a non-last
+      stage its output hidden state and received output gradient, and on a non-first stage its
+      received hidden state, a leaf that the previous `output_obj`'s autograd graph keeps (its
+      AccumulateGrad node holds the leaf after `backward` has freed the saved tensors);
     - the last stage's loss: shardformer/layer/loss.py `dist_cross_entropy` copies the shifted
       logits (`logits[..., :-1, :].contiguous()`) and labels, alive through the loss forward; with a
       16-bit model it runs `CrossEntropyLoss` on them in that dtype, so the traced loss's fp32 rows
@@ -348,14 +358,15 @@ def pipeline_stage_layout(trace: StepTrace, z: ZeroSetup, stage: int, pp_size: i
     tokens = t.micro_batch_size * t.seq_len
     boundary = tokens * hidden * z.model_bytes  # one micro-batch's hidden state
     head = ((t.alloc >= lf1) & (t.alloc < fb)) | ((t.alloc >= ba) & (t.alloc < lb0))
-    embed = (((t.alloc >= fa) & (t.alloc < lf0) & (t.nbytes == boundary))
-             | ((t.alloc >= lb1) & (t.alloc < bb)))
+    e0, e1 = t.layer_bounds["embedding"]
+    embed = (((t.alloc >= e0) & (t.alloc < e1)) | ((t.alloc >= lb1) & (t.alloc < bb)))
     if stage < pp_size - 1:
         layout.mask &= ~(other & head)
-        # the stage's output (`output_obj`, consumed by the LM head in the traced step) stays
-        # referenced by the schedule until its `backward_step` returns
-        out = other & (t.alloc >= lf0) & (t.alloc < lf1) & (t.free >= ba) & (t.free < lb0)
-        layout.free[out] = layout.ev(lb1)
+        # the stage's output (`output_obj`) stays referenced by the schedule until its
+        # `backward_step` returns
+        o0, o1 = t.layer_bounds["output"]
+        out = other & (t.alloc >= o0) & (t.alloc < o1)
+        layout.free[out] = np.maximum(layout.free[out], layout.ev(lb1))
     if stage > 0:
         # and rows made in the LM head's backward that wait for the embedding's (a tied weight's
         # gradient contribution): the last stage's LM head is its own parameter
@@ -380,6 +391,14 @@ def pipeline_stage_layout(trace: StepTrace, z: ZeroSetup, stage: int, pp_size: i
         # the previous backward's `input_obj_grad` stays referenced until the next `backward_step`
         # returns: through the next forward and the later backwards
         layout.add("previous_input_grad", "activations", boundary, fa, end)
+    if micro > k:
+        # a forward after a backward (one_f_one_b.py `run_forward_backward`, steady state): the
+        # previous micro-batch's `output_obj` (and `output_obj_grad`) are rebound only after it
+        if stage > 0:
+            layout.add("previous_recv_hidden_state", "activations", boundary, fa, fb)
+        if stage < pp_size - 1:
+            layout.add("previous_output", "activations", boundary, fa, fb)
+            layout.add("previous_output_grad", "activations", boundary, fa, fb)
     if stage == pp_size - 1:
         # shardformer/layer/loss.py `dist_cross_entropy` (the shardformer's causal-LM forwards):
         # `logits[..., :-1, :].contiguous()` and the shifted labels, alive through the loss forward
