@@ -139,25 +139,33 @@ def hybrid_uses_torch_ddp(dp: int, pp_size: int, zero_stage: int) -> bool:
 
 
 def hybrid_stage0_layout(trace: StepTrace, z: ZeroSetup, ddp_bucket_bytes: list[int],
-                         params: list[int] | None = None) -> Layout:
+                         params: list[int] | None = None, bucket_views: bool = False) -> Layout:
     """HybridParallelPlugin zero_stage 0 on the traced shard (hybrid_parallel_plugin.py): fp32 ->
     `HybridParallelNaiveOptimizer` stepping the torch optimizer on the shard's own parameters;
     16-bit -> `HybridParallelAMPOptimizer` (amp/naive_amp/mixed_precision_optimizer.py: an fp32
     master copy per parameter, gradients cast to fp32 in `step`). Where the plugin wraps the shard in
-    torch DDP (`hybrid_uses_torch_ddp`) its gradient buckets (`ddp_bucket_bytes`, ddp.py; plugin default gradient_as_bucket_view
-    as emitted) are added as a second copy of the gradients. `params`: the parameter indices the
-    rank holds (a pipeline stage's, `pipeline_stage_params`); default every trainable one."""
+    torch DDP (`hybrid_uses_torch_ddp`) its gradient buckets (`ddp_bucket_bytes`, ddp.py) are added:
+    with `bucket_views` (DDP `gradient_as_bucket_view=True`, as emitted) `param.grad` becomes a view
+    of its bucket when the gradient is ready (torch/csrc/distributed/c10d/reducer.cpp
+    `Reducer::mark_variable_ready_dense`: `bucket_view.copy_(grad); grad = bucket_view`), so
+    autograd's gradient is freed there and the buckets are the gradients (as in
+    launcher/backends/ddp/layout.py `ddp_layout`); without, the buckets are a second copy.
+    `params`: the parameter indices the rank holds (a pipeline stage's, `pipeline_stage_params`);
+    default every trainable one."""
     layout = Layout.of(trace, reduce_events=0, step_events=2)
     idx = trainable_params(trace) if params is None else params
     numels = [int(trace.params.numel[i]) for i in idx]
     total = sum(numels)
     for j, nbytes in enumerate(ddp_bucket_bytes):
-        layout.add(f"ddp_bucket_{j}", "buffers", nbytes)
+        layout.add(f"ddp_bucket_{j}", "gradients" if bucket_views else "buffers", nbytes)
     k = optimizer_state_numel_factor(z.optimizer)
     layout.add("optimizer_states", "optimizer_states",
                4 * k * total + optimizer_step_scalar_bytes(z.optimizer, len(numels)))
     s0, s1, s2 = layout.step_ev(0), layout.step_ev(1), layout.step_ev(2)
     layout.free[layout.rows(Kind.GRAD)] = s2 if z.model_bytes == 4 else s1
+    if bucket_views and ddp_bucket_bytes:
+        g = layout.rows(Kind.GRAD) & (trace.ready >= 0)
+        layout.free[g] = layout.ev(trace.ready[g])
     if z.model_bytes != 4:
         layout.add("fp32_master", "optimizer_states", 4 * total)
         layout.add("fp32_grads", "gradients", 4 * total, s0, s2)
@@ -182,6 +190,22 @@ def tp_extra_bytes(tokens: int, tp_size: int, model_bytes: int, parallel_output:
     if not parallel_output:
         out += model_bytes * tokens * padded_vocab * (tp_size - 1) // tp_size
     return out
+
+
+def tp_async_grad_bytes(trace: StepTrace, tp_size: int, model_bytes: int) -> int:
+    """A backward-phase tensor a TP rank may hold beyond the traced shard: the column-parallel
+    layers' input gradient (shardformer/layer/_operation.py `LinearWithAsyncCommunication.backward`:
+    `grad_input = grad_output.matmul(weight)`, then `dist.all_reduce(grad_input, async_op=True)`
+    and `handle.wait()`) is also referenced by the process group's work object, which gloo's worker
+    thread drops after it has completed the work (ProcessGroupGloo `runLoop` resets
+    `workInProgress_` after `AsyncWork::execute`). Measured on 2 CPU processes: one micro-batch x
+    seq x hidden tensor (the LM head's input gradient) alive at the backward peak in some runs
+    and steps, not in others; it is counted (an upper bound: one such tensor, the largest a
+    column-parallel layer's input has)."""
+    if tp_size <= 1:
+        return 0
+    hidden = int(trace.params.shapes[int(np.flatnonzero(trace.params.role == Role.EMBEDDING)[0])][-1])
+    return trace.micro_batch_size * trace.seq_len * hidden * model_bytes
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -236,13 +260,15 @@ def colossalai_memory(traces, strategy, workload, ddp, cai, dp: int, device: str
         layouts = [lowlevel_zero_layout(t, z) for t in pair]
     else:
         wraps_ddp = hybrid_uses_torch_ddp(dp, strategy.pp_size, strategy.zero_stage)
-        layouts = [hybrid_stage0_layout(t, z, bucket_bytes(t, ddp.bucket_cap_mb) if wraps_ddp else [])
+        layouts = [hybrid_stage0_layout(t, z, bucket_bytes(t, ddp.bucket_cap_mb) if wraps_ddp else [],
+                                        bucket_views=ddp.gradient_as_bucket_view)
                    for t in pair]
     extra: dict = {}
     if strategy.tp_size > 1:
         tokens = traces.depth1.micro_batch_size * traces.depth1.seq_len
         b = tp_extra_bytes(tokens, strategy.tp_size, z.model_bytes, PARALLEL_OUTPUT, 0)
         extra = {ph: {"activations": b} for ph in ("forward", "backward")}
+        extra["backward"]["activations"] += tp_async_grad_bytes(traces.depth1, strategy.tp_size, z.model_bytes)
     if strategy.pp_size > 1:
         extra = _add(extra, pipeline_inflight_bytes(traces, strategy.pp_size, cai))
     notes = (f"ColossalAI {strategy.name}: plugin precision model traced without optimizer"
@@ -436,6 +462,7 @@ def pipeline_memory(traces, strategy, workload, cai, dp: int, device: str) -> La
         tokens = traces.depth1.micro_batch_size * traces.depth1.seq_len
         b = tp_extra_bytes(tokens, strategy.tp_size, z.model_bytes, PARALLEL_OUTPUT, 0)
         extra = {ph: {"activations": b} for ph in ("forward", "backward")}
+        extra["backward"]["activations"] += tp_async_grad_bytes(traces.depth1, strategy.tp_size, z.model_bytes)
     notes = (f"ColossalAI cai_pp: each of the {pp} stages from the traced step (its parameters, its "
              f"activations, p2p buffers, min(pp - stage, {m}) micro-batches in flight under 1F1B); "
              "launcher/backends/colossalai/layout.py `pipeline_stage_layout`.",)
