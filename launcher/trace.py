@@ -387,8 +387,12 @@ def _four_bit_rows(nbytes: list, quantized, rec: _Recorder, key: TraceKey) -> No
 def _watch_layers(model, num_layers: int, rec: _Recorder, marks: dict) -> None:
     """Record in `marks` the events where the decoder layers' forward starts ('fwd0') and ends
     ('fwd1'), and where their backward starts ('bwd0': the gradient of the last layer's output
-    is computed) and ends ('bwd1': the gradient of the first layer's input). Only the first
-    forward counts (checkpointing runs the layers again in backward)."""
+    is computed) and ends ('bwd1': the gradient of the first layer's input), and the allocation
+    events of the first layer's input hidden state ('fwd_input': where the embedding's output is
+    made; what the forward computes after it and before the layers, e.g. position tensors and
+    attention masks, does not feed the layers' hidden state) and of the last layer's output
+    hidden state ('fwd_output'). Only the first forward counts (checkpointing runs the layers
+    again in backward)."""
     import torch
 
     layers = next((m for m in model.modules()
@@ -406,6 +410,8 @@ def _watch_layers(model, num_layers: int, rec: _Recorder, marks: dict) -> None:
             return
         marks[fwd] = rec.num_events
         x = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+        if x is not None and id(x.untyped_storage()) in rec.row_of:
+            marks[{"fwd0": "fwd_input", "fwd1": "fwd_output"}[fwd]] = rec.alloc[rec.row(x, create=False)]
         if x is not None and x.requires_grad:
             x.register_hook(mark(bwd))
 
@@ -593,8 +599,12 @@ def trace_step(key: TraceKey) -> StepTrace:
     phases = {ph: (marks[ph], marks[nxt]) for ph, nxt in zip(PHASES, PHASES[1:] + ("end",))}
     bounds = {ph: (marks[a], marks[b]) for ph, a, b in
               (("forward", "fwd0", "fwd1"), ("backward", "bwd0", "bwd1")) if a in marks and b in marks}
+    if "fwd_input" in marks and "forward" in bounds:
+        bounds["embedding"] = (marks["forward"], marks["fwd_input"] + 1)
+    if "fwd_output" in marks and "forward" in bounds:
+        bounds["output"] = (marks["fwd_output"], marks["fwd_output"] + 1)
     cuts = ([a for a, _ in phases.values()] + [num_events] + list(ready[ready >= 0])
-            + [e for ab in bounds.values() for e in ab])
+            + [e for ph in ("forward", "backward") for e in bounds.get(ph, ())])
     return StepTrace(num_layers=key.num_layers, micro_batch_size=key.micro_batch_size,
                      seq_len=key.seq_len, params=params, nbytes=np.array(nbytes, np.int64),
                      alloc=np.array(rec.alloc[:n], np.int64),
@@ -659,7 +669,7 @@ def at_micro_batch(ta: StepTrace, tb: StepTrace, micro_batch_size: int) -> StepT
 # ----------------------------------------------------------------------------- cache
 
 DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "launcher" / "traces"
-_FORMAT_VERSION = 6  # the tracer's version: bump when the trace's content or file layout changes
+_FORMAT_VERSION = 7  # the tracer's version: bump when the trace's content or file layout changes
 _MEMO: dict[str, StepTrace] = {}
 _ROW_FIELDS = ("nbytes", "alloc", "free", "kind", "ready", "param", "itemsize", "op_class")
 _PARAM_FIELDS = ("numel", "element_size", "trainable", "role", "layer", "tied_to")
