@@ -17,6 +17,7 @@ from launcher import (calibrate, exports, fallback, infer_plan, launch, measure,
 from launcher.calibrate import other_machine_note
 from launcher.config import LauncherConfig
 from launcher.environment import detect
+from launcher import liger
 from launcher.errors import ConfigError
 from launcher.hardware import cluster_from, local_gpu_names
 from launcher.model import load_spec
@@ -31,6 +32,9 @@ def model_spec(config: LauncherConfig):
     if seq_max is not None and config.training.seq_len > seq_max:
         raise ConfigError(f"training.seq_len={config.training.seq_len} is above {spec.name}'s maximum "
                           f"positions ({seq_max}); use training.seq_len<={seq_max}")
+    if config.training.liger_kernel and not liger.supported(spec.model_type):
+        raise ConfigError(f"training.liger_kernel: Liger's kernels are modelled for {', '.join(liger.FAMILIES)} "
+                          f"models, not {spec.model_type}; use training.liger_kernel=false")
     return spec
 
 

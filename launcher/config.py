@@ -192,6 +192,10 @@ class TrainingConfig:
     optimizer: Optimizer = Optimizer["adamw_torch"]  # type: ignore[valid-type]
     gradient_checkpointing: bool = False
     """True reduces activation memory (recomputes each layer in backward, ~+33% compute)."""
+    liger_kernel: bool = False
+    """Liger-Kernel's Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy that never
+    materialises the logits), as HF Trainer's use_liger_kernel applies them; llama, mistral and
+    qwen2 models, GPUs with the liger-kernel package (launcher/liger.py)."""
     checkpoint_policy: CheckpointPolicy = CheckpointPolicy["full"]  # type: ignore[valid-type]
     """With gradient_checkpointing: what each checkpointed layer keeps (full | selective_op,
     torchtitan's `activation_checkpoint.mode=selective, selective_ac_option=op`)."""

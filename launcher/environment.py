@@ -10,7 +10,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Optional
 
-OPTIONAL = ("colossalai", "deepspeed", "bitsandbytes")
+OPTIONAL = ("colossalai", "deepspeed", "bitsandbytes", "liger_kernel")
 COLOSSALAI_PYTHON_ENV = "LAUNCHER_COLOSSALAI_PYTHON"  # launcher/backends/colossalai/runtime.py
 COLOSSALAI_VENV = ".venv-colossalai"  # built by scripts/setup next to .venv
 COLOSSALAI_TRANSFORMERS_MAJOR = 4  # ColossalAI 0.5.0 pins transformers==4.51.3

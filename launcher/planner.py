@@ -74,7 +74,7 @@ def workload(config: LauncherConfig, spec: ModelSpec, micro: int) -> Workload:
     return Workload(seq_len=t.seq_len, micro_batch_size=micro, precision=t.precision.name,
                     optimizer=t.optimizer.name, gradient_checkpointing=t.gradient_checkpointing,
                     attn_implementation=effective_attention(spec, t.attn_implementation.name)[0],
-                    checkpoint_policy=t.checkpoint_policy.name)
+                    checkpoint_policy=t.checkpoint_policy.name, kernels="liger" if t.liger_kernel else "torch")
 
 
 def ask(config: LauncherConfig, cluster: Cluster, env: Env, peft: str = "none") -> Ask:
@@ -96,6 +96,18 @@ def variant_problem(variant: TrainingVariant, strategy, device: str) -> str:
     """Why this strategy cannot train this variant here, or '' (its backend's capability table,
     launcher/backends/<name>/rules.py)."""
     return backend_of(strategy).rules(strategy).peft_problem(strategy.name, variant.peft, device)
+
+
+def kernels_problem(config: LauncherConfig, device: str, env: Env) -> str:
+    """Why the kernels a config asks for cannot run here, or ''. Liger's are Triton kernels: GPUs
+    only, and the liger-kernel package (launcher/liger.py)."""
+    if not config.training.liger_kernel:
+        return ""
+    if device != "cuda":
+        return "Liger's kernels are Triton GPU kernels: estimate only on CPU processes"
+    if "liger_kernel" not in env.installed:
+        return "training.liger_kernel needs the liger-kernel package (pip install liger-kernel): estimate only"
+    return ""
 
 
 def launch_problem(strategy: Strategy, spec: ModelSpec, peft: dict | None = None, env: Env | None = None) -> str:
@@ -144,6 +156,7 @@ def trace_key(spec: ModelSpec, strategy: Strategy, wl: Workload, lora=None):
                                                                                 wl.attn_implementation),
                           gradient_checkpointing=wl.gradient_checkpointing,
                           checkpoint_policy=wl.checkpoint_policy if wl.gradient_checkpointing else "full",
+                          kernels=wl.kernels,
                           **request)
 
 
@@ -265,9 +278,11 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env | N
     asked = variants[0].trains
     ranked = sorted(candidates, key=lambda c: (not c.fits, c.trains != asked, -c.speed.tokens_per_s,
                                                c.memory.device_total_bytes))
-    chosen = next((i for i, c in enumerate(ranked) if c.fits and not launch_problem(c.strategy, spec, c.peft, env)), None)
-    ranked = [explain_loss(c, ranked[chosen] if chosen is not None else None, spec, env) if i != chosen else c
-              for i, c in enumerate(ranked)]
+    kernels_why = kernels_problem(config, cluster.device, env)
+    chosen = next((i for i, c in enumerate(ranked)
+                   if c.fits and not kernels_why and not launch_problem(c.strategy, spec, c.peft, env)), None)
+    ranked = [explain_loss(c, ranked[chosen] if chosen is not None else None, spec, env, kernels_why)
+              if i != chosen else c for i, c in enumerate(ranked)]
     notes += plan_notes(config, cluster, chosen, any(c.fits for c in ranked))
 
     attn_note = effective_attention(spec, config.training.attn_implementation.name)[1]
@@ -288,11 +303,12 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env | N
                 candidates=tuple(ranked), chosen=chosen, notes=tuple(notes))
 
 
-def explain_loss(c: Candidate, best: Candidate | None, spec: ModelSpec, env: Env | None = None) -> Candidate:
+def explain_loss(c: Candidate, best: Candidate | None, spec: ModelSpec, env: Env | None = None,
+                 kernels_why: str = "") -> Candidate:
     """Say why a fitting candidate lost against the chosen one."""
     if not c.fits:
         return c
-    why = launch_problem(c.strategy, spec, c.peft, env)
+    why = kernels_why or launch_problem(c.strategy, spec, c.peft, env)
     if why:
         return replace(c, reason=f"fits; not launchable: {why}")
     if best is None:

@@ -28,6 +28,7 @@ class RunSpec:
     attn_implementation: str = "sdpa"
     gradient_checkpointing: bool = False
     checkpoint_policy: str = "full"
+    liger_kernel: bool = False
     seq_len: int = 128
     micro_batch_size: int = 1
     grad_accum_steps: int = 1

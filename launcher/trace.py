@@ -48,6 +48,7 @@ from launcher.steptrace import Kind, OpClass, ParamTable, Role, StepTrace, Trace
 from launcher.backends.colossalai.emit import vocab_multiple
 from launcher.vocab_parallel_loss import vocab_parallel_loss
 from launcher import checkpointing
+from launcher import liger
 from launcher import peft as lp
 from launcher.peft import four_bit_storage_bytes
 from launcher.peft import LoraSettings
@@ -78,6 +79,7 @@ class TraceKey:
     attn_implementation: str = "sdpa"  # eager | sdpa | flash_attention_2 (traced as sdpa)
     gradient_checkpointing: bool = False
     checkpoint_policy: str = "full"  # with gradient_checkpointing: launcher/checkpointing.py POLICIES
+    kernels: str = "torch"  # torch | liger: Liger's Triton kernels, traced as launcher/liger.py's stand-ins
     optimizer: str = "adamw_foreach"  # adamw_foreach | adamw_single | adamw_fused | sgd | none
     trainable: str = "all"  # 'all' parameters train | 'lora': peft LoRA adapters on a frozen base
     # --- trainable='lora' (launcher/peft.py LoraSettings): the peft.LoraConfig applied in the trace
@@ -102,6 +104,7 @@ class TraceKey:
         _check(self.attn_implementation, ATTN_IMPLEMENTATIONS, "attn_implementation")
         _check(self.optimizer, OPTIMIZERS, "optimizer")
         _check(self.checkpoint_policy, checkpointing.POLICIES, "checkpoint_policy")
+        _check(self.kernels, ("torch", "liger"), "kernels")
         _check(self.trainable, ("all", "lora"), "trainable")
         _check(self.quant_type, (None, "nf4", "fp4", "gptq_int4", "gptq_int8"), "quant_type")
         if self.trainable == "lora" and self.lora_r < 1:
@@ -326,35 +329,37 @@ def _run_step(key: TraceKey, rec: _Recorder, marks: dict, grads: dict):
         _transformers4_buffers(model)
     if key.tp_size > 1 and model.config.model_type not in TP_SHARDABLE:  # its family's rule (tp_shard.py)
         shard_model(model, key.tp_size, tp_padded_vocab(model.config.vocab_size, key.tp_size))
-    if key.gradient_checkpointing:
-        checkpointing.enable(model, key.checkpoint_policy)
-    vocab_size = model.config.vocab_size
-    if key.trainable == "lora":
-        model, marks["quantized"] = _apply_lora(model, key)
-    _watch_layers(model, key.num_layers, rec, marks)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    for p in trainable:
-        p.register_post_accumulate_grad_hook(
-            lambda p: grads.__setitem__(id(p), (rec.num_events, rec.row(p.grad))))
-    opt = _make_optimizer(key, trainable) if key.optimizer != "none" else None
-    ids = torch.randint(0, vocab_size, (key.micro_batch_size, key.seq_len))
-    marks["forward"], flops0, attn0 = rec.num_events, rec.flops, rec.attention_flops
-    with torch.autocast("cpu", dtype=getattr(torch, key.autocast_dtype or "float32"),
-                        enabled=key.autocast_dtype is not None):
-        loss = _loss(model, ids, key)
-    marks["backward"], flops1, attn1 = rec.num_events, rec.flops, rec.attention_flops
-    loss.backward()
-    del loss
-    marks["optimizer"] = rec.num_events
-    marks["flops"] = {"forward": flops1 - flops0, "backward": rec.flops - flops1,
-                      "attention_forward": attn1 - attn0, "attention_backward": rec.attention_flops - attn1}
-    if opt is not None:
-        opt.step()
-    marks["zero_grad"] = rec.num_events
-    (opt or model).zero_grad(set_to_none=True)
-    marks["end"] = rec.num_events
-    marks["inputs"] = rec.row(ids)
-    return model, opt
+    kernels = liger.applied(model) if key.kernels == "liger" else contextlib.nullcontext()
+    with kernels:  # Liger's kernels replace modules and functions for the forward and the backward
+        if key.gradient_checkpointing:
+            checkpointing.enable(model, key.checkpoint_policy)
+        vocab_size = model.config.vocab_size
+        if key.trainable == "lora":
+            model, marks["quantized"] = _apply_lora(model, key)
+        _watch_layers(model, key.num_layers, rec, marks)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        for p in trainable:
+            p.register_post_accumulate_grad_hook(
+                lambda p: grads.__setitem__(id(p), (rec.num_events, rec.row(p.grad))))
+        opt = _make_optimizer(key, trainable) if key.optimizer != "none" else None
+        ids = torch.randint(0, vocab_size, (key.micro_batch_size, key.seq_len))
+        marks["forward"], flops0, attn0 = rec.num_events, rec.flops, rec.attention_flops
+        with torch.autocast("cpu", dtype=getattr(torch, key.autocast_dtype or "float32"),
+                            enabled=key.autocast_dtype is not None):
+            loss = _loss(model, ids, key)
+        marks["backward"], flops1, attn1 = rec.num_events, rec.flops, rec.attention_flops
+        loss.backward()
+        del loss
+        marks["optimizer"] = rec.num_events
+        marks["flops"] = {"forward": flops1 - flops0, "backward": rec.flops - flops1,
+                          "attention_forward": attn1 - attn0, "attention_backward": rec.attention_flops - attn1}
+        if opt is not None:
+            opt.step()
+        marks["zero_grad"] = rec.num_events
+        (opt or model).zero_grad(set_to_none=True)
+        marks["end"] = rec.num_events
+        marks["inputs"] = rec.row(ids)
+        return model, opt
 
 
 def _apply_lora(model, key: TraceKey):
@@ -695,8 +700,9 @@ def _cache_key(key: TraceKey) -> str:
         # unset: the key hashes as before the field existed
         if not fields.get(name):
             fields.pop(name, None)
-    if fields.get("checkpoint_policy") == "full":  # the default hashes as before the field existed
-        del fields["checkpoint_policy"]
+    for name, default in (("checkpoint_policy", "full"), ("kernels", "torch")):
+        if fields.get(name) == default:  # the default hashes as before the field existed
+            del fields[name]
     if fields.get("tp_size") == 1:  # keys without tensor parallelism hash as before tp_size existed
         del fields["tp_size"]
     else:  # the shard layout (vocabulary padding multiple, `tp_padded_vocab`) is part of the trace

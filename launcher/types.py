@@ -16,6 +16,7 @@ class Workload:
     gradient_checkpointing: bool
     attn_implementation: str  # eager | sdpa | flash_attention_2
     checkpoint_policy: str = "full"  # with gradient_checkpointing: full | selective_op (launcher/checkpointing.py)
+    kernels: str = "torch"  # torch | liger (training.liger_kernel; launcher/liger.py)
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,10 @@ def build_model(spec, config, plan: PrecisionPlan):
     else:
         raise ConfigError(f"init={spec.init!r} is not 'random' or 'pretrained'")
     model.config.use_cache = False
+    if spec.liger_kernel:  # GPUs only (the planner says so); HF Trainer's use_liger_kernel path
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        _apply_liger_kernel_to_instance(model=model)
     if spec.gradient_checkpointing:
         checkpointing.enable(model, spec.checkpoint_policy)
     model.train()
