@@ -57,7 +57,8 @@ profile, measured by mode=calibrate, launcher/calibrate.py):
    Calls: DDP one all-reduce per bucket (the first bucket holds 1 MiB,
    torch.distributed `_DEFAULT_FIRST_BUCKET_BYTES`, then `bucket_cap_mb`) and one buffer
    broadcast per forward (broadcast_buffers=True); DeepSpeed ZeRO-0 one all-reduce per 500M
-   elements (`zero0_buckets`); ZeRO-1/2 one all-reduce per gradient bucket, ZeRO-3 one
+   elements (`zero0_buckets`); ZeRO-1/2 (and LowLevelZero's, colossalai/cpu.py) one all-reduce
+   per gradient bucket, ZeRO-3 one
    reduce-scatter (which gloo runs several times slower than an all-reduce of the same bytes), the
    buckets filled up to `reduce_bucket_size` elements gradient by gradient (`reduce_buckets`);
    ZeRO-1/2 one all-gather per `allgather_bucket_size` elements of the partition after the step; ZeRO-3 one all-gather per module with a parameter above
@@ -236,13 +237,15 @@ def comm_s(counts: StepCounts, strategy: Strategy, cluster: Cluster, *, trainabl
     if strategy.zero_stage == 0:
         return worker_s + buckets_s("all_reduce", zero0_buckets(counts, trainable), 2 * ring)
     buckets = reduce_buckets(counts, trainable, ds.reduce_bucket_size)
-    if strategy.zero_stage in (1, 2) and (strategy.backend == "deepspeed" or strategy.zero_stage == 1):
+    if strategy.zero_stage in (1, 2):
         # DeepSpeed 0.19 ZeRO-1/2 all-reduce each bucket and keep their partition's slice
         # (`use_multi_rank_bucket_allreduce`, default true: stage_1_and_2.py `average_tensor` ->
-        # `allreduce_and_scatter` -> `allreduce_bucket` -> dist.all_reduce); LowLevelZero without
-        # partitioned gradients all-reduces each bucket (low_level_optim.py `_run_reduction`)
+        # `allreduce_and_scatter` -> `allreduce_bucket` -> dist.all_reduce); LowLevelZero
+        # all-reduces each bucket (low_level_optim.py `_run_reduction`), at stage 2 too on CPU
+        # processes, where the worker makes its reduce-scatter an in-place all-reduce
+        # (launcher/backends/colossalai/cpu.py `_InPlaceReduceScatter`)
         per_reduction = buckets_s("all_reduce", buckets, 2 * ring)
-    else:  # ZeRO-3 `reduce_scatter_coalesced` (dist.reduce_scatter_tensor), LowLevelZero stage 2
+    else:  # ZeRO-3 `reduce_scatter_coalesced` (dist.reduce_scatter_tensor)
         per_reduction = buckets_s("reduce_scatter", buckets, ring)
     worker_s += ZERO_STEP_COLLECTIVES * cluster.collective_latency_s
     reductions = reductions_per_step(strategy, accum)

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from launcher.backends.colossalai import gemini
-from launcher.backends.colossalai.layout import buckets, padded
+from launcher.backends.colossalai.layout import buckets, gather_peak_numel, padded
 from launcher.backends.colossalai.emit import vocab_multiple
 from launcher.trace import TraceKey, build_config, tp_padded_vocab
 
@@ -107,3 +107,18 @@ def _num_params(cfg) -> int:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     return sum(p.numel() for p in model.parameters())
+
+
+def test_step_all_gather_holds_two_consecutive_rebuilt_parameters():
+    # one bucket: partitions, their flat copy, a dp x flat buffer and two consecutive rebuilt
+    # parameters (dp x partition each): 10 + 1 is the largest adjacent pair, not 10 + 10
+    assert gather_peak_numel([10, 1, 10], dp=2, bucket_numel=100, cast=False) == 21 + 42 + 2 * 11
+    # a 16-bit model adds the partitions' cast copies (`param_to_gather`)
+    assert gather_peak_numel([10, 1, 10], dp=2, bucket_numel=100, cast=True) == 21 + 21 + 42 + 2 * 11
+    # bucket of 11: [10, 1] gathers when 10 would overflow it, then [10]; a lone partition rebuilds alone
+    assert gather_peak_numel([10, 1, 10], dp=2, bucket_numel=11, cast=False) == 11 + 22 + 2 * 11
+    assert gather_peak_numel([3], dp=2, bucket_numel=11, cast=False) == 3 + 6 + 6
+    # a partition larger than the bucket is gathered straight into its parameter (its cast copy only)
+    assert gather_peak_numel([20], dp=2, bucket_numel=11, cast=True) == 20
+    # 16-bit: the cast copy of the partition that overflows the bucket exists while the bucket gathers
+    assert gather_peak_numel([10, 1, 10], dp=2, bucket_numel=11, cast=True) == 11 + 11 + 22 + 2 * 11 + 10

@@ -46,3 +46,24 @@ def test_zero_stages_order_model_state_bytes(tmp_path):
         got[stage] = model_state_bytes(layouts[1])
         assert estimate_memory(traces, s, wl, CPU, TINY_BUCKETS, DDPConfig(), 2).peak_allocated_bytes > 0
     assert got[3] < got[2] < got[1] <= got[0]
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_lowlevel_zero2_reduction_holds_the_bucket_gradients_with_its_flat_and_received_copies(tmp_path, precision):
+    """ColossalAI ZeRO-2 (one bucket: reduce_bucket_size above the model): while the post-backward
+    reduction runs, the bucket's gradients (still referenced by `_grad_in_bucket`), their flat copy
+    and `received_grad` (1/dp) are all alive; afterwards only `received_grad`. With gradient
+    checkpointing that moment can be the step's peak (launcher/backends/colossalai/layout.py
+    `lowlevel_zero_layout`)."""
+    from launcher.backends.registry import knobs
+    from launcher.memory.common import category_curves
+
+    wl = Workload(32, 2, precision, "adamw_torch", True, "sdpa")
+    s = Strategy("cai_zero2", "colossalai", 2)
+    traces = _traces(s, wl, tmp_path)
+    lay = layout_set(traces, s, wl, knobs(), 2, "cpu").groups[0][1][1]
+    e = 4 if precision == "32-true" else 2
+    numel = int(traces.depth2.params.numel.sum())  # every numel even: no padding at dp 2
+    grads = category_curves(lay)["gradients"]
+    assert grads[lay.reduce_ev(0)] == e * numel + e * numel + e * numel // 2
+    assert grads[lay.reduce_ev(1)] == e * numel // 2

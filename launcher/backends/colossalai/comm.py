@@ -15,7 +15,8 @@ def colossalai_host_equivalent(strategy: Strategy, cai) -> tuple:
     """(strategy, bucket sizes) whose host terms a ColossalAI plugin shares: TorchDDPPlugin and
     HybridParallelPlugin's DP dimension without ZeRO are torch DDP (hybrid_parallel_plugin.py
     wraps the shard in DDP); LowLevelZeroPlugin and the ZeRO DP dimension copy gradients into
-    `reduce_bucket_size_in_m` buckets, all-reduce (stage 1) or reduce-scatter (stage 2) them and
+    `reduce_bucket_size_in_m` buckets, all-reduce (stage 1) or reduce-scatter (stage 2; an in-place
+    all-reduce on CPU processes, cpu.py `_InPlaceReduceScatter`) them and
     all-gather the updated partition like DeepSpeed ZeRO-1/2 (colossalai/zero/low_level/
     low_level_optim.py `_run_reduction`, `step`: one all-gather of the whole flat partition per
     bucket store); the strategy keeps its ColossalAI backend for launcher/host_time.py `comm_s`."""

@@ -75,10 +75,19 @@ def lowlevel_zero_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
       reduce-scatters into a new 1/dp tensor (`received_grad`) and keeps only that); stage 1
       without overlap reduces after backward in parameter order (`_sync_grad`), otherwise in
       the post-accumulate-grad hooks in ready order. The store is dropped at `zero_grad`.
+      A bucket's gradients outlive `param.grad = None` (bookkeeping/bucket_store.py
+      `build_grad_in_bucket`): every rank's slices of them, views of the gradient storages (or
+      of their `F.pad` copies), stay in `_grad_in_bucket` through the flat copy and the
+      collective; `sync_tensor` then points this rank's slices at the reduced tensor and
+      `bucket_store.reset()` drops the rest. So while a bucket reduces its gradients, the flat
+      copy and (stage 2) `received_grad` are all alive: with the bucket's gradients freed at the
+      flush the estimate missed one bucket of gradients at the post-backward reduction, the
+      peak of a step with gradient checkpointing (a real CPU run of the tiny Llama: -4% at fp32).
     - step: 16-bit gradients cast to fp32 per partition (`grad.to(master dtype)`; a no-op at fp32),
       `grad.double().norm()` per partition, AdamW, then the updated partitions are cast back and
-      all-gathered through a `TensorBucket` (tensor_bucket.py `all_gather`: flat of the partitions,
-      a dp x flat buffer, one rebuilt tensor per parameter, two alive at a time)."""
+      all-gathered through `TensorBucket`s (`gather_peak_numel`). `release_param_grad` drops the
+      fp32 gradients after the update, but `step`'s loop variable `grad` still holds the last
+      parameter's until `step` returns: alive through the all-gather with a 16-bit model."""
     p, e, dp = trace.params, z.model_bytes, z.dp
     idx = trainable_params(trace)
     numels = [int(p.numel[i]) for i in idx]
@@ -108,9 +117,12 @@ def lowlevel_zero_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
             start = flush_k - len(sizes)
             for i, _ in order[start:flush_k]:
                 if i in param_row:
-                    layout.free[param_row[i]] = at
+                    layout.free[param_row[i]] = at + 1
             flat = e * sum(sizes)
-            layout.add("reduce_flat", "gradients", flat + (flat // dp if z.stage == 2 else 0), at, at + 1)
+            # the bucket's gradients are padded copies where numel % dp != 0 (`build_grad_in_bucket`)
+            layout.add("grad_padding", "gradients", flat - e * sum(n for _, n in order[start:flush_k]), at, at + 1)
+            if z.stage == 2:  # stage 1 keeps the flat copy itself as the reduced gradients
+                layout.add("reduce_flat", "gradients", flat, at, at + 1)
             layout.add("reduced_grads", "gradients", keep(flat), at, end)
     else:
         order = [(i, int(p.numel[i])) for i in idx]
@@ -123,11 +135,42 @@ def lowlevel_zero_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
     layout.add("grad_norm_double", "gradients", 8 * max(parts, default=0), s0, s1)
     layout.add("optimizer_step_temporaries", "optimizer_states",
                4 * optimizer_step_temp_numel(z.optimizer, parts), s1, s2)
-    gather = min(total_part, z.bucket_numel)
-    biggest = sorted(pads, reverse=True)[:2]
-    layout.add("allgather_partitions", "parameters", (e * total_part if e != 4 else 0), s2, s3)
-    layout.add("allgather_buffers", "parameters", e * (gather + dp * gather + sum(biggest)), s2, s3)
+    if e != 4:
+        layout.add("last_fp32_grad_partition", "gradients", 4 * parts[-1] if parts else 0, s2, s3)
+    layout.add("allgather_buffers", "parameters", e * gather_peak_numel(parts, dp, z.bucket_numel, e != 4), s2, s3)
     return layout
+
+
+def gather_peak_numel(parts: list[int], dp: int, bucket_numel: int, cast: bool) -> int:
+    """Peak elements of `step`'s all-gather of the updated partitions (low_level_optim.py `step`,
+    bookkeeping/tensor_bucket.py), beyond the working parameters it writes into: in parameter
+    order each partition (`param_to_gather`: a cast copy of the master partition when the model
+    is 16-bit, `cast`; the master itself at fp32) joins a `TensorBucket` of `reduce_bucket_size`
+    elements, which `all_gather`s when the next would overflow it (`add_to_bucket` raises) and at
+    the end; a partition larger than the bucket is gathered directly into its padded parameter
+    (`all_gather_into_flat_tensor_nd`). A bucket's `all_gather` holds its partitions, their flat
+    copy, a dp x flat buffer and, rebuilding each parameter (`_flatten_dense_tensors` of its dp
+    shards, padded numel), the previous parameter's rebuilt tensor next to the current one: two
+    consecutive parameters', not the two largest. The cast copy of the partition that did not fit
+    (or is gathered directly) already exists beside the bucket's."""
+    best, bucket = 0, []
+    copy = (lambda n: n) if cast else (lambda n: 0)
+
+    def gather(members: list[int]) -> int:
+        if not members:
+            return 0
+        flat = sum(members)
+        pair = max((dp * (a + b) for a, b in zip(members, members[1:])), default=dp * members[0])
+        return copy(flat) + flat + dp * flat + pair
+
+    for n in parts:
+        if n > bucket_numel:
+            best = max(best, copy(sum(bucket)) + copy(n))
+            continue
+        if sum(bucket) + n > bucket_numel:
+            best, bucket = max(best, gather(bucket) + copy(n)), []
+        bucket.append(n)
+    return max(best, gather(bucket))
 
 
 def hybrid_uses_torch_ddp(dp: int, pp_size: int, zero_stage: int) -> bool:
