@@ -18,6 +18,7 @@ from launcher.environment import Env, detect
 from launcher.errors import ConfigError
 from launcher.margin import confidence_note
 from launcher.memory import estimate as memory_model
+from launcher.memory.replay import ReplayMemo
 from launcher.memory.runtime import flash_attention_backward_bytes
 from launcher.model import ModelSpec, effective_attention
 from launcher.parallel import tp_degrees, tp_sizes
@@ -157,9 +158,10 @@ def model_numbers(traces) -> dict:
 
 
 def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy: Strategy,
-             micro: int, variant=None) -> tuple[Candidate, dict]:
+             micro: int, variant=None, replay_memo=None) -> tuple[Candidate, dict]:
     """Estimate one candidate's memory and speed from the traced step; `variant`
-    (launcher.peft.TrainingVariant): what it trains (default: what the config asks)."""
+    (launcher.peft.TrainingVariant): what it trains (default: what the config asks);
+    `replay_memo` (launcher/memory/replay.py `ReplayMemo`): allocator replays kept on disk."""
     dp = cluster.num_gpus // (strategy.tp_size * strategy.pp_size)
     variant = variant or TrainingVariant("full", None, config.training.gradient_checkpointing)
     wl = replace(workload(config, spec, micro), gradient_checkpointing=variant.gradient_checkpointing)
@@ -169,7 +171,8 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
     if backend_of(strategy).grad_accum:  # e.g. a pipeline's micro-batches
         accum = backend_of(strategy).grad_accum(strategy, config, accum)
     knobs = registry.knobs(config)
-    mem = memory_model.estimate(traces, strategy, wl, cluster, knobs, dp, attention_workspace(spec, strategy, wl))
+    mem = memory_model.estimate(traces, strategy, wl, cluster, knobs, dp, attention_workspace(spec, strategy, wl),
+                                replay_memo=replay_memo)
     mem = replace(mem, notes=tuple(mem.notes) + trace.trace_notes(trace_key(spec, strategy, wl, variant.lora)))
     flops = {k: traces.at_depth(lambda t, k=k: t.flops.get(k, 0.0))
              for k in ("forward", "backward", "attention_forward", "attention_backward")}
@@ -225,6 +228,7 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env | N
     candidates: list[Candidate] = []
     notes: list[str] = []
     numbers: dict = {}
+    memo = ReplayMemo(config.cache_dir)
     variants = training_variants(config, cluster.device)
     pairs = [(s, v) for v in variants for s in strategies_for(config, spec)]
     for name in [n for n, t in STRATEGIES.items() if t.tp_size > 1 and config.strategy.name in ("auto", n)]:
@@ -249,7 +253,7 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env | N
         label = f"{strategy.name}{'' if len(variants) == 1 else ' (' + variant.label + ')'}"
         for micro in micros:
             try:
-                cand, numbers = evaluate(config, spec, cluster, strategy, micro, variant)
+                cand, numbers = evaluate(config, spec, cluster, strategy, micro, variant, memo)
             except (RuntimeError, NotImplementedError) as err:  # the model's own step fails as this strategy runs it
                 why = f"the traced step fails at micro-batch {micro}: {str(err).splitlines()[0]}"
                 if config.strategy.name != "auto":
@@ -259,6 +263,7 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env | N
             candidates.append(cand)
             if not cand.fits:
                 break
+    memo.save()
     asked = variants[0].trains
     ranked = sorted(candidates, key=lambda c: (not c.fits, c.trains != asked, -c.speed.tokens_per_s,
                                                c.memory.device_total_bytes))
