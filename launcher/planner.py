@@ -2,7 +2,9 @@
 why, ranked fastest first; the chosen one is the fastest that fits with the safety margin.
 
 Pure: given the config, the model and the cluster, returns a Plan. The expensive part (tracing a
-step under fake tensors) is memoised per trace key inside launcher.trace.
+step under fake tensors) is memoised per trace key inside launcher.trace; allocator replays
+(launcher/memory/replay.py) and whole candidates (launcher/candidate_memo.py) are kept on disk
+under keys that cover every input and the code.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from launcher.backends import registry
 from launcher.backends.base import Ask
 from launcher.backends.colossalai import runtime as colossalai_runtime
 from launcher.backends.registry import backend_of
+from launcher.candidate_memo import CandidateMemo
 from launcher.config import LauncherConfig
 from launcher.environment import Env, detect
 from launcher.errors import ConfigError
@@ -228,7 +231,7 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env | N
     candidates: list[Candidate] = []
     notes: list[str] = []
     numbers: dict = {}
-    memo = ReplayMemo(config.cache_dir)
+    memo, done = ReplayMemo(config.cache_dir), CandidateMemo(config, spec, cluster)
     variants = training_variants(config, cluster.device)
     pairs = [(s, v) for v in variants for s in strategies_for(config, spec)]
     for name in [n for n, t in STRATEGIES.items() if t.tp_size > 1 and config.strategy.name in ("auto", n)]:
@@ -253,7 +256,11 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env | N
         label = f"{strategy.name}{'' if len(variants) == 1 else ' (' + variant.label + ')'}"
         for micro in micros:
             try:
-                cand, numbers = evaluate(config, spec, cluster, strategy, micro, variant, memo)
+                hit = done.get(strategy, micro, variant)
+                if hit is None:
+                    hit = evaluate(config, spec, cluster, strategy, micro, variant, memo)
+                    done.put(strategy, micro, variant, hit)
+                cand, numbers = hit
             except (RuntimeError, NotImplementedError) as err:  # the model's own step fails as this strategy runs it
                 why = f"the traced step fails at micro-batch {micro}: {str(err).splitlines()[0]}"
                 if config.strategy.name != "auto":
@@ -264,6 +271,7 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env | N
             if not cand.fits:
                 break
     memo.save()
+    done.save()
     asked = variants[0].trains
     ranked = sorted(candidates, key=lambda c: (not c.fits, c.trains != asked, -c.speed.tokens_per_s,
                                                c.memory.device_total_bytes))
