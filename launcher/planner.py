@@ -164,11 +164,13 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
              micro: int, variant=None, replay_memo=None) -> tuple[Candidate, dict]:
     """Estimate one candidate's memory and speed from the traced step; `variant`
     (launcher.peft.TrainingVariant): what it trains (default: what the config asks);
-    `replay_memo` (launcher/memory/replay.py `ReplayMemo`): allocator replays kept on disk."""
+    `replay_memo` (launcher/memory/replay.py `ReplayMemo`): allocator replays kept on disk
+    (default: this process's memo of the config's cache directory)."""
     dp = cluster.num_gpus // (strategy.tp_size * strategy.pp_size)
     variant = variant or TrainingVariant("full", None, config.training.gradient_checkpointing)
     wl = replace(workload(config, spec, micro), gradient_checkpointing=variant.gradient_checkpointing)
     traces = traced(config, spec, strategy, wl, variant.lora)
+    replay_memo = replay_memo if replay_memo is not None else ReplayMemo.shared(config.cache_dir)
     numbers = model_numbers(traces)
     accum = grad_accum(config, micro, dp)
     if backend_of(strategy).grad_accum:  # e.g. a pipeline's micro-batches
@@ -231,7 +233,7 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env | N
     candidates: list[Candidate] = []
     notes: list[str] = []
     numbers: dict = {}
-    memo, done = ReplayMemo(config.cache_dir), CandidateMemo(config, spec, cluster)
+    memo, done = ReplayMemo.shared(config.cache_dir), CandidateMemo(config, spec, cluster)
     variants = training_variants(config, cluster.device)
     pairs = [(s, v) for v in variants for s in strategies_for(config, spec)]
     for name in [n for n, t in STRATEGIES.items() if t.tp_size > 1 and config.strategy.name in ("auto", n)]:
@@ -258,7 +260,7 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env | N
             try:
                 hit = done.get(strategy, micro, variant)
                 if hit is None:
-                    hit = evaluate(config, spec, cluster, strategy, micro, variant, memo)
+                    hit = evaluate(config, spec, cluster, strategy, micro, variant)
                     done.put(strategy, micro, variant, hit)
                 cand, numbers = hit
             except (RuntimeError, NotImplementedError) as err:  # the model's own step fails as this strategy runs it

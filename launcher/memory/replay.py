@@ -87,6 +87,14 @@ class ReplayMemo:
         self._new: dict[str, int] = {}
         self._code: str | None = None
 
+    _SHARED: dict = {}
+
+    @classmethod
+    def shared(cls, cache_dir=None) -> "ReplayMemo":
+        """The one memo of this process for `cache_dir`."""
+        memo = cls(cache_dir)
+        return cls._SHARED.setdefault(memo.path, memo)
+
     def _load(self) -> dict[str, int]:
         if self._values is None:
             try:
