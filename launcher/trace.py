@@ -36,7 +36,6 @@ import re
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from unittest import mock
 from typing import Optional
 
 import numpy as np
@@ -458,6 +457,8 @@ def _unpacked_sequences():
     position ids, so SDPA runs with `is_causal=True` and no mask. On fake tensors it cannot read
     the values and returns the mask, which makes SDPA materialize a seq x seq mask and leave the
     flash kernel (+5% to +22% peak on small models). Our position ids are never packed."""
+    from unittest import mock  # imports asyncio: only where a step is traced
+
     from transformers import masking_utils
 
     if not hasattr(masking_utils, "find_packed_sequence_indices"):
@@ -474,6 +475,8 @@ def _sdpa_as_transformers4():
     key/value heads with `repeat_kv`, where transformers 5 passes `enable_gqa=True` to SDPA without
     a mask (`use_gqa_in_sdpa`), and then calls `.contiguous()` on query, key and value (a copy
     each for a repeated single key/value head, a stride-0 view, or a transposed value)."""
+    from unittest import mock
+
     import torch
     from transformers.integrations import sdpa_attention
 
