@@ -242,36 +242,40 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env | N
         if not trace.tp_traceable(spec.model_type) and tp_sizes(config, spec):
             notes.append(f"{name} not planned: no tensor-parallel sharding rule for model type {spec.model_type} "
                          "yet (launcher/tp_shard.py)")
-    for strategy, variant in pairs:
-        why = unsupported(strategy, config, cluster, spec, env, peft=variant.peft)
-        if why:
-            if config.strategy.name != "auto":
-                raise ConfigError(why if why.startswith(f"strategy={strategy.name} ") else f"strategy={strategy.name}: {why}")
-            notes.append(f"{strategy.name}{'' if len(variants) == 1 else ' (' + variant.label + ')'} "
-                         f"not planned: {why.removeprefix(f'strategy={strategy.name} ')}")
-            continue
-        dp = cluster.num_gpus // (strategy.tp_size * strategy.pp_size)
-        micros = micro_batch_sizes(config, dp)
-        if not micros:
-            raise ConfigError(f"training.global_batch_size={config.training.global_batch_size} is not divisible by "
-                              f"any micro-batch x data-parallel size {dp}; use a multiple of {dp}")
-        label = f"{strategy.name}{'' if len(variants) == 1 else ' (' + variant.label + ')'}"
-        for micro in micros:
-            try:
-                hit = done.get(strategy, micro, variant)
-                if hit is None:
-                    hit = evaluate(config, spec, cluster, strategy, micro, variant)
-                    done.put(strategy, micro, variant, hit)
-                cand, numbers = hit
-            except (RuntimeError, NotImplementedError) as err:  # the model's own step fails as this strategy runs it
-                why = f"the traced step fails at micro-batch {micro}: {str(err).splitlines()[0]}"
+    prefetch(config, spec, cluster, env, pairs)
+    try:
+        for strategy, variant in pairs:
+            why = unsupported(strategy, config, cluster, spec, env, peft=variant.peft)
+            if why:
                 if config.strategy.name != "auto":
-                    raise ConfigError(f"strategy={strategy.name}: {why}") from None
-                notes.append(f"{label} not planned: {why}")
-                break
-            candidates.append(cand)
-            if not cand.fits:
-                break
+                    raise ConfigError(why if why.startswith(f"strategy={strategy.name} ") else f"strategy={strategy.name}: {why}")
+                notes.append(f"{strategy.name}{'' if len(variants) == 1 else ' (' + variant.label + ')'} "
+                             f"not planned: {why.removeprefix(f'strategy={strategy.name} ')}")
+                continue
+            dp = cluster.num_gpus // (strategy.tp_size * strategy.pp_size)
+            micros = micro_batch_sizes(config, dp)
+            if not micros:
+                raise ConfigError(f"training.global_batch_size={config.training.global_batch_size} is not divisible by "
+                                  f"any micro-batch x data-parallel size {dp}; use a multiple of {dp}")
+            label = f"{strategy.name}{'' if len(variants) == 1 else ' (' + variant.label + ')'}"
+            for micro in micros:
+                try:
+                    hit = done.get(strategy, micro, variant)
+                    if hit is None:
+                        hit = evaluate(config, spec, cluster, strategy, micro, variant)
+                        done.put(strategy, micro, variant, hit)
+                    cand, numbers = hit
+                except (RuntimeError, NotImplementedError) as err:  # the model's own step fails as this strategy runs it
+                    why = f"the traced step fails at micro-batch {micro}: {str(err).splitlines()[0]}"
+                    if config.strategy.name != "auto":
+                        raise ConfigError(f"strategy={strategy.name}: {why}") from None
+                    notes.append(f"{label} not planned: {why}")
+                    break
+                candidates.append(cand)
+                if not cand.fits:
+                    break
+    finally:
+        trace.stop_prefetch()
     memo.save()
     done.save()
     asked = variants[0].trains
@@ -298,6 +302,19 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env | N
              "num_layers": spec.num_layers, "hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size}
     return Plan(model=model, hardware=cluster.hardware, gpus=cluster.num_gpus, nodes=cluster.num_nodes,
                 candidates=tuple(ranked), chosen=chosen, notes=tuple(notes))
+
+
+def prefetch(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env, pairs) -> None:
+    """Name to launcher.trace the steps the first three micro-batch sizes of every plannable
+    strategy and variant trace, so a second process traces them alongside (`trace.prefetch`)."""
+    keys = []
+    for strategy, variant in pairs:
+        if unsupported(strategy, config, cluster, spec, env, peft=variant.peft):
+            continue
+        for micro in micro_batch_sizes(config, cluster.num_gpus // (strategy.tp_size * strategy.pp_size))[:3]:
+            wl = replace(workload(config, spec, micro), gradient_checkpointing=variant.gradient_checkpointing)
+            keys.append(trace_key(spec, strategy, wl, variant.lora))
+    trace.prefetch(keys, spec.num_layers, config.cache_dir)
 
 
 def explain_loss(c: Candidate, best: Candidate | None, spec: ModelSpec, env: Env | None = None) -> Candidate:
