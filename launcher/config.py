@@ -41,6 +41,11 @@ Optimizer = _enum(
 Attention = _enum(
     "Attention", ["eager", "sdpa", "flash_attention_2"], "transformers' attn_implementation."
 )
+CheckpointPolicy = _enum(
+    "CheckpointPolicy", ["full", "selective_op"],
+    "What a checkpointed decoder layer keeps (launcher/checkpointing.py): full = only its inputs, "
+    "everything recomputed in backward; selective_op = torchtitan's per-op selective checkpointing "
+    "(the outputs of matmuls and attention saved, except every second matmul of the layer).")
 StrategyName = _enum(
     "StrategyName",
     ["auto", "single", "ddp", "zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload",
@@ -187,6 +192,9 @@ class TrainingConfig:
     optimizer: Optimizer = Optimizer["adamw_torch"]  # type: ignore[valid-type]
     gradient_checkpointing: bool = False
     """True reduces activation memory (recomputes each layer in backward, ~+33% compute)."""
+    checkpoint_policy: CheckpointPolicy = CheckpointPolicy["full"]  # type: ignore[valid-type]
+    """With gradient_checkpointing: what each checkpointed layer keeps (full | selective_op,
+    torchtitan's `activation_checkpoint.mode=selective, selective_ac_option=op`)."""
     attn_implementation: Attention = Attention["sdpa"]  # type: ignore[valid-type]
     learning_rate: float = 2.0e-4
     weight_decay: float = 0.0

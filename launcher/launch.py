@@ -67,7 +67,8 @@ def run_spec(c: Candidate, config: LauncherConfig, spec: ModelSpec, run_dir: Pat
         device=config.hardware.device, precision=t.precision.name, optimizer=t.optimizer.name,
         attn_implementation=registry.backend_of(c.strategy).attention_of(
             c.strategy, spec.model_type, effective_attention(spec, t.attn_implementation.name)[0]),
-        gradient_checkpointing=t.gradient_checkpointing or c.gradient_checkpointing, peft=c.peft or {},
+        gradient_checkpointing=t.gradient_checkpointing or c.gradient_checkpointing,
+        checkpoint_policy=t.checkpoint_policy.name, peft=c.peft or {},
         seq_len=t.seq_len, micro_batch_size=c.micro_batch_size, grad_accum_steps=c.grad_accum_steps,
         max_steps=t.max_steps, learning_rate=t.learning_rate, weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm, warmup_steps=t.warmup_steps, seed=t.seed,

@@ -77,7 +77,8 @@ def workload(config: LauncherConfig, spec: ModelSpec, micro: int) -> Workload:
     t = config.training
     return Workload(seq_len=t.seq_len, micro_batch_size=micro, precision=t.precision.name,
                     optimizer=t.optimizer.name, gradient_checkpointing=t.gradient_checkpointing,
-                    attn_implementation=effective_attention(spec, t.attn_implementation.name)[0])
+                    attn_implementation=effective_attention(spec, t.attn_implementation.name)[0],
+                    checkpoint_policy=t.checkpoint_policy.name)
 
 
 def ask(config: LauncherConfig, cluster: Cluster, env: Env, peft: str = "none") -> Ask:
@@ -145,7 +146,9 @@ def trace_key(spec: ModelSpec, strategy: Strategy, wl: Workload, lora=None):
                           seq_len=wl.seq_len,
                           attn_implementation=backend_of(strategy).attention_of(strategy, spec.model_type,
                                                                                 wl.attn_implementation),
-                          gradient_checkpointing=wl.gradient_checkpointing, **request)
+                          gradient_checkpointing=wl.gradient_checkpointing,
+                          checkpoint_policy=wl.checkpoint_policy if wl.gradient_checkpointing else "full",
+                          **request)
 
 
 def model_numbers(traces) -> dict:

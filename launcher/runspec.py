@@ -27,6 +27,7 @@ class RunSpec:
     optimizer: str = "adamw_torch"
     attn_implementation: str = "sdpa"
     gradient_checkpointing: bool = False
+    checkpoint_policy: str = "full"
     seq_len: int = 128
     micro_batch_size: int = 1
     grad_accum_steps: int = 1

@@ -84,6 +84,9 @@ class StepTrace:
     # Decoder-layer boundaries: 'forward' -> (first layer starts, last layer ends); 'backward' ->
     # (last layer's backward starts, first layer's backward ends). They cut a phase into
     # segments whose maxima are each linear in depth (`phase_segments`); empty if not recorded.
+    # 'embedding' -> (forward start, one past the allocation of the first layer's input hidden
+    # state): the events that compute the embedding's output; 'output' -> (allocation event of the
+    # last layer's output hidden state, that + 1) (trace.py `_watch_layers`).
     layer_bounds: dict[str, tuple[int, int]] = field(default_factory=dict)
     # Per row, for the speed model's host terms (launcher/host_time.py): the element size of the
     # tensor that allocated the storage and the class of the op that produced it. None in

@@ -46,6 +46,7 @@ from launcher.tp_shard import shard_model, shardable
 from launcher.steptrace import Kind, OpClass, ParamTable, Role, StepTrace, TraceSet
 from launcher.backends.colossalai.emit import vocab_multiple
 from launcher.vocab_parallel_loss import vocab_parallel_loss
+from launcher import checkpointing
 from launcher import peft as lp
 from launcher.peft import four_bit_storage_bytes
 from launcher.peft import LoraSettings
@@ -75,6 +76,7 @@ class TraceKey:
     autocast_dtype: Optional[str] = None  # None | bfloat16 | float16: autocast on forward+loss
     attn_implementation: str = "sdpa"  # eager | sdpa | flash_attention_2 (traced as sdpa)
     gradient_checkpointing: bool = False
+    checkpoint_policy: str = "full"  # with gradient_checkpointing: launcher/checkpointing.py POLICIES
     optimizer: str = "adamw_foreach"  # adamw_foreach | adamw_single | adamw_fused | sgd | none
     trainable: str = "all"  # 'all' parameters train | 'lora': peft LoRA adapters on a frozen base
     # --- trainable='lora' (launcher/peft.py LoraSettings): the peft.LoraConfig applied in the trace
@@ -98,6 +100,7 @@ class TraceKey:
         _check(self.autocast_dtype, (None, "bfloat16", "float16"), "autocast_dtype")
         _check(self.attn_implementation, ATTN_IMPLEMENTATIONS, "attn_implementation")
         _check(self.optimizer, OPTIMIZERS, "optimizer")
+        _check(self.checkpoint_policy, checkpointing.POLICIES, "checkpoint_policy")
         _check(self.trainable, ("all", "lora"), "trainable")
         _check(self.quant_type, (None, "nf4", "fp4", "gptq_int4", "gptq_int8"), "quant_type")
         if self.trainable == "lora" and self.lora_r < 1:
@@ -323,8 +326,7 @@ def _run_step(key: TraceKey, rec: _Recorder, marks: dict, grads: dict):
     if key.tp_size > 1 and model.config.model_type not in TP_SHARDABLE:  # its family's rule (tp_shard.py)
         shard_model(model, key.tp_size, tp_padded_vocab(model.config.vocab_size, key.tp_size))
     if key.gradient_checkpointing:
-        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x
-        (enable or model.gradient_checkpointing_enable)()
+        checkpointing.enable(model, key.checkpoint_policy)
     vocab_size = model.config.vocab_size
     if key.trainable == "lora":
         model, marks["quantized"] = _apply_lora(model, key)
@@ -384,8 +386,12 @@ def _four_bit_rows(nbytes: list, quantized, rec: _Recorder, key: TraceKey) -> No
 def _watch_layers(model, num_layers: int, rec: _Recorder, marks: dict) -> None:
     """Record in `marks` the events where the decoder layers' forward starts ('fwd0') and ends
     ('fwd1'), and where their backward starts ('bwd0': the gradient of the last layer's output
-    is computed) and ends ('bwd1': the gradient of the first layer's input). Only the first
-    forward counts (checkpointing runs the layers again in backward)."""
+    is computed) and ends ('bwd1': the gradient of the first layer's input), and the allocation
+    events of the first layer's input hidden state ('fwd_input': where the embedding's output is
+    made; what the forward computes after it and before the layers, e.g. position tensors and
+    attention masks, does not feed the layers' hidden state) and of the last layer's output
+    hidden state ('fwd_output'). Only the first forward counts (checkpointing runs the layers
+    again in backward)."""
     import torch
 
     layers = next((m for m in model.modules()
@@ -403,6 +409,8 @@ def _watch_layers(model, num_layers: int, rec: _Recorder, marks: dict) -> None:
             return
         marks[fwd] = rec.num_events
         x = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+        if x is not None and id(x.untyped_storage()) in rec.row_of:
+            marks[{"fwd0": "fwd_input", "fwd1": "fwd_output"}[fwd]] = rec.alloc[rec.row(x, create=False)]
         if x is not None and x.requires_grad:
             x.register_hook(mark(bwd))
 
@@ -594,8 +602,12 @@ def trace_step(key: TraceKey) -> StepTrace:
     phases = {ph: (marks[ph], marks[nxt]) for ph, nxt in zip(PHASES, PHASES[1:] + ("end",))}
     bounds = {ph: (marks[a], marks[b]) for ph, a, b in
               (("forward", "fwd0", "fwd1"), ("backward", "bwd0", "bwd1")) if a in marks and b in marks}
+    if "fwd_input" in marks and "forward" in bounds:
+        bounds["embedding"] = (marks["forward"], marks["fwd_input"] + 1)
+    if "fwd_output" in marks and "forward" in bounds:
+        bounds["output"] = (marks["fwd_output"], marks["fwd_output"] + 1)
     cuts = ([a for a, _ in phases.values()] + [num_events] + list(ready[ready >= 0])
-            + [e for ab in bounds.values() for e in ab])
+            + [e for ph in ("forward", "backward") for e in bounds.get(ph, ())])
     return StepTrace(num_layers=key.num_layers, micro_batch_size=key.micro_batch_size,
                      seq_len=key.seq_len, params=params, nbytes=np.array(nbytes, np.int64),
                      alloc=np.array(rec.alloc[:n], np.int64),
@@ -660,7 +672,7 @@ def at_micro_batch(ta: StepTrace, tb: StepTrace, micro_batch_size: int) -> StepT
 # ----------------------------------------------------------------------------- cache
 
 DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "launcher" / "traces"
-_FORMAT_VERSION = 6  # the tracer's version: bump when the trace's content or file layout changes
+_FORMAT_VERSION = 7  # the tracer's version: bump when the trace's content or file layout changes
 _MEMO: dict[str, StepTrace] = {}
 _ROW_FIELDS = ("nbytes", "alloc", "free", "kind", "ready", "param", "itemsize", "op_class")
 _PARAM_FIELDS = ("numel", "element_size", "trainable", "role", "layer", "tied_to")
@@ -686,6 +698,8 @@ def _cache_key(key: TraceKey) -> str:
         # unset: the key hashes as before the field existed
         if not fields.get(name):
             fields.pop(name, None)
+    if fields.get("checkpoint_policy") == "full":  # the default hashes as before the field existed
+        del fields["checkpoint_policy"]
     if fields.get("tp_size") == 1:  # keys without tensor parallelism hash as before tp_size existed
         del fields["tp_size"]
     else:  # the shard layout (vocabulary padding multiple, `tp_padded_vocab`) is part of the trace

@@ -15,6 +15,7 @@ class Workload:
     optimizer: str  # HF optim name
     gradient_checkpointing: bool
     attn_implementation: str  # eager | sdpa | flash_attention_2
+    checkpoint_policy: str = "full"  # with gradient_checkpointing: full | selective_op (launcher/checkpointing.py)
 
 
 @dataclass(frozen=True)

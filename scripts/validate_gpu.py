@@ -64,8 +64,9 @@ def published_bytes(row: dict, spec: dict) -> float:
     return value * UNIT_BYTES[spec["unit"]]
 
 
-def plan_row(args: list[str], mode: str):
-    """(estimate views, candidate or serving result, cluster memory) for one row's overrides."""
+def plan_row(args: list[str], mode: str, cuda_alloc_conf: str | None = None):
+    """(estimate views, candidate or serving result, cluster memory) for one row's overrides;
+    `cuda_alloc_conf`: the PYTORCH_CUDA_ALLOC_CONF the row's run had."""
     from launcher.app import model_spec
     from launcher.cli import compose
 
@@ -81,7 +82,7 @@ def plan_row(args: list[str], mode: str):
     from launcher import planner
     from launcher.hardware import cluster_from
 
-    cluster = cluster_from(config.hardware, config.gpus, config.nodes)
+    cluster = cluster_from(config.hardware, config.gpus, config.nodes, cuda_alloc_conf)
     plan = planner.plan(config, spec, cluster)
     cand = plan.candidates[0]
     m = cand.memory
@@ -94,7 +95,7 @@ def plan_row(args: list[str], mode: str):
 def evaluate(key: str, spec: dict, row: dict) -> Result:
     res = Result(key, row, spec)
     try:
-        views, cand, capacity = plan_row(spec["args"], spec.get("mode", "train"))
+        views, cand, capacity = plan_row(spec["args"], spec.get("mode", "train"), spec.get("cuda_alloc_conf"))
     except Exception as err:  # noqa: BLE001 - a row that cannot be planned is reported, not fatal
         res.error = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
         return res

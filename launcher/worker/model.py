@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from launcher import checkpointing
 from launcher.errors import ConfigError
 from launcher.peft import LoraSettings
 from launcher.peft import apply_lora, quantize_base_4bit
@@ -86,7 +87,7 @@ def build_model(spec, config, plan: PrecisionPlan):
         raise ConfigError(f"init={spec.init!r} is not 'random' or 'pretrained'")
     model.config.use_cache = False
     if spec.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpointing.enable(model, spec.checkpoint_policy)
     model.train()
     if lora is not None:
         model = apply_peft(model, spec, lora)

@@ -15,15 +15,21 @@ SMALL_BUCKETS = ("deepspeed.reduce_bucket_size=200000", "deepspeed.allgather_buc
 # checked to 1% by test_launch_runs.py; these cells add mixed precision and checkpointing.
 CELLS = [("ddp", "bf16-mixed", False, True), ("zero2", "bf16-mixed", False, False),
          ("zero1", "32-true", True, False)]
+# per-op selective checkpointing (training.checkpoint_policy=selective_op), under the `long` marker
+SELECTIVE = [pytest.param("fsdp2", "bf16-mixed", "selective_op", False, marks=pytest.mark.long, id="fsdp2-selective_op"),
+             pytest.param("ddp", "32-true", "selective_op", False, marks=pytest.mark.long, id="ddp-32-selective_op")]
 BOUND_PERCENT = 1.0
 
 
-@pytest.mark.parametrize("strategy,precision,ckpt,timing", CELLS, ids=[f"{c[0]}-{c[1]}-ckpt{c[2]}" for c in CELLS])
+@pytest.mark.parametrize("strategy,precision,ckpt,timing",
+                         [pytest.param(*c, id=f"{c[0]}-{c[1]}-ckpt{c[2]}") for c in CELLS] + SELECTIVE)
 def test_measured_peak_matches_estimate(cli, strategy, precision, ckpt, timing):
     run_dir = cli.cwd / "run"
+    policy = ckpt if isinstance(ckpt, str) else "full"
     r = cli("model=tiny-llama", "hardware=cpu", "gpus=2", f"strategy={strategy}", "mode=measure", "report=json",
             "training.seq_len=128", "training.micro_batch_size=2", f"training.precision={precision}",
-            f"training.gradient_checkpointing={str(ckpt).lower()}", "measure.memory_steps=2",
+            f"training.gradient_checkpointing={str(bool(ckpt)).lower()}", f"training.checkpoint_policy={policy}",
+            "measure.memory_steps=2",
             f"measure.timing_steps={2 if timing else 0}", "measure.warmup_steps=1", *SMALL_BUCKETS, f"hydra.run.dir={run_dir}",
             timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]

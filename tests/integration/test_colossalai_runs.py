@@ -33,11 +33,12 @@ TINY = {  # 2 layers, 4 heads, hidden 64, vocabulary 320 (the byte-level tokeniz
 }
 
 
-# The backward peak of a tensor-parallel step on gloo holds a batch x seq x hidden fp32 tensor in some
-# runs and not in others on the same inputs: likely the input gradient the column-parallel layers
-# all-reduce asynchronously, released by gloo's worker thread at a scheduler-dependent moment (not
-# confirmed). 32 KiB here, 1.3-1.5% of these tiny models' peaks: BLOOM +1.34% or -0.15% (its
-# estimate counts it), Llama -0.17% on an idle machine and -1.49% under load (its estimate does not).
+# The backward peak of a tensor-parallel step on gloo holds a batch x seq x hidden tensor in some
+# runs and steps and not in others on the same inputs: the LM head's input gradient, all-reduced
+# asynchronously by ColossalAI's column-parallel linear and also referenced by the gloo work object
+# until gloo's worker thread drops it. 32 KiB here, 1.3-1.5% of these tiny models' peaks: the
+# estimate counts it (launcher/backends/colossalai/layout.py `tp_async_grad_bytes`), so BLOOM is
+# +1.30% when it is released in time and -0.18% when not.
 TP_TOLERANCE = 0.015
 
 
@@ -113,9 +114,6 @@ def test_colossalai_tensor_parallel_run(cli, family):
     assert all(abs(e) <= TP_TOLERANCE for e in errors), errors
 
 
-# Measured -1.31% (tiny-llama, seq 64, micro-batch 2, fp32): one b x s x h tensor at the last
-# stage's forward peak is not in the per-stage model.
-PP_TOLERANCE = {("llama", 1): 0.015}
 
 
 @needs_shardformer
@@ -123,9 +121,7 @@ PP_TOLERANCE = {("llama", 1): 0.015}
 def test_colossalai_pipeline_run(cli, family):
     """HybridParallelPlugin pp=2, 1F1B over 2 micro-batches: ColossalAI's pipeline forwards and
     schedule train the model in the ColossalAI environment. Each rank is estimated as its stage
-    (launcher/backends/colossalai/layout.py `pipeline_stage_layout`) and measured within 1%, but
-    Llama's last stage (PP_TOLERANCE: at its forward peak it holds one more hidden-state-sized
-    tensor than modelled)."""
+    (launcher/backends/colossalai/layout.py `pipeline_stage_layout`) and measured within 1%."""
     r = cli(*_model_args(cli, family), "hardware=cpu", "gpus=2", "mode=run", "strategy=cai_pp",
             "training.micro_batch_size=2", "training.seq_len=64", f"training.max_steps={STEPS}",
             "training.learning_rate=3e-3", "training.precision=32-true", timeout=900, env=PRELOAD)
@@ -137,4 +133,4 @@ def test_colossalai_pipeline_run(cli, family):
     assert len(losses) == STEPS and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
     errors = _per_rank_errors(run_dir)
     print(f"cai_pp {family}: per-rank error {[f'{100 * e:+.3f}%' for e in errors]}")
-    assert all(abs(e) <= PP_TOLERANCE.get((family, rank), 0.01) for rank, e in enumerate(errors)), errors
+    assert all(abs(e) <= 0.01 for e in errors), errors

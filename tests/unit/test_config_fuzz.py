@@ -39,7 +39,9 @@ def schema_keys(cls=LauncherConfig, prefix: str = "") -> dict[str, object]:
 KEYS = {k: v for k, v in schema_keys().items() if k not in ("run_dir",)}
 MODELS = cli.group_options("model")
 HARDWARE = cli.group_options("hardware")
-text = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
+# no NUL: a command line cannot carry one (execve takes C strings)
+text = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",), exclude_characters="\x00"),
+               max_size=12)
 nasty = st.sampled_from(["", "null", "???", "${oops}", "a b", "'", "\"x\"", "[1,2]", "{a: 1}", "1e400", "-0",
                          "nan", "inf", "-inf", "0x10", "1_000", "true", "ÿ", "=", ",", "/nonexistent/x.json"])
 ints = st.one_of(st.integers(-3, 70), st.integers(-2**70, 2**70), st.sampled_from([0, -1, 2**31, 2**63, 10**30]))

@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from launcher import checkpointing  # noqa: E402
 from launcher import trace as tr  # noqa: E402
 from launcher.steptrace import Kind, Role, extrapolate  # noqa: E402
 from reference_step import train_one_step  # noqa: E402
@@ -45,7 +46,7 @@ def real_step(k: tr.TraceKey):
             cfg, dtype=getattr(torch, k.param_dtype), attn_implementation=k.attn_implementation)
         model.train()
         if k.gradient_checkpointing:
-            getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+            checkpointing.enable(model, k.checkpoint_policy)
         params = list(model.parameters())
         opt = {"adamw_foreach": lambda: torch.optim.AdamW(params, foreach=True),
                "adamw_single": lambda: torch.optim.AdamW(params, foreach=False),
@@ -78,6 +79,21 @@ def test_peak_equals_memtracker_on_a_real_step(model, attn, precision, checkpoin
     # measured: equal to the byte on every case (transformers' packed-sequence check answered)
     assert abs(traced - real) <= 0.01 * real, (traced, real)
     assert traced == curve.max()  # the build phase is never the peak here
+
+
+@pytest.mark.parametrize("attn,precision", [("sdpa", "fp32"), ("sdpa", "bf16-mixed"), ("eager", "bf16-true")])
+def test_selective_op_checkpointing_peak_equals_memtracker(attn, precision):
+    """torchtitan's per-op selective checkpointing (launcher/checkpointing.py): the traced step
+    keeps what the real step keeps, and that lies between full checkpointing and none."""
+    pd, ad = PRECISIONS[precision]
+    peaks = {}
+    for ckpt, policy in ((False, "full"), (True, "full"), (True, "selective_op")):
+        k = key(llama(), param_dtype=pd, autocast_dtype=ad, attn_implementation=attn,
+                gradient_checkpointing=ckpt, checkpoint_policy=policy, optimizer="none")
+        peaks[ckpt, policy] = tr.trace_step(k).live_curve().max()
+    real, _ = real_step(k)
+    assert abs(peaks[True, "selective_op"] - real) <= 0.01 * real, (peaks, real)
+    assert peaks[True, "full"] < peaks[True, "selective_op"] < peaks[False, "full"], peaks
 
 
 @pytest.mark.parametrize("optimizer", ["adamw_single", "adamw_fused", "sgd"])

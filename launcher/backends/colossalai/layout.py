@@ -139,25 +139,33 @@ def hybrid_uses_torch_ddp(dp: int, pp_size: int, zero_stage: int) -> bool:
 
 
 def hybrid_stage0_layout(trace: StepTrace, z: ZeroSetup, ddp_bucket_bytes: list[int],
-                         params: list[int] | None = None) -> Layout:
+                         params: list[int] | None = None, bucket_views: bool = False) -> Layout:
     """HybridParallelPlugin zero_stage 0 on the traced shard (hybrid_parallel_plugin.py): fp32 ->
     `HybridParallelNaiveOptimizer` stepping the torch optimizer on the shard's own parameters;
     16-bit -> `HybridParallelAMPOptimizer` (amp/naive_amp/mixed_precision_optimizer.py: an fp32
     master copy per parameter, gradients cast to fp32 in `step`). Where the plugin wraps the shard in
-    torch DDP (`hybrid_uses_torch_ddp`) its gradient buckets (`ddp_bucket_bytes`, ddp.py; plugin default gradient_as_bucket_view
-    as emitted) are added as a second copy of the gradients. `params`: the parameter indices the
-    rank holds (a pipeline stage's, `pipeline_stage_params`); default every trainable one."""
+    torch DDP (`hybrid_uses_torch_ddp`) its gradient buckets (`ddp_bucket_bytes`, ddp.py) are added:
+    with `bucket_views` (DDP `gradient_as_bucket_view=True`, as emitted) `param.grad` becomes a view
+    of its bucket when the gradient is ready (torch/csrc/distributed/c10d/reducer.cpp
+    `Reducer::mark_variable_ready_dense`: `bucket_view.copy_(grad); grad = bucket_view`), so
+    autograd's gradient is freed there and the buckets are the gradients (as in
+    launcher/backends/ddp/layout.py `ddp_layout`); without, the buckets are a second copy.
+    `params`: the parameter indices the rank holds (a pipeline stage's, `pipeline_stage_params`);
+    default every trainable one."""
     layout = Layout.of(trace, reduce_events=0, step_events=2)
     idx = trainable_params(trace) if params is None else params
     numels = [int(trace.params.numel[i]) for i in idx]
     total = sum(numels)
     for j, nbytes in enumerate(ddp_bucket_bytes):
-        layout.add(f"ddp_bucket_{j}", "buffers", nbytes)
+        layout.add(f"ddp_bucket_{j}", "gradients" if bucket_views else "buffers", nbytes)
     k = optimizer_state_numel_factor(z.optimizer)
     layout.add("optimizer_states", "optimizer_states",
                4 * k * total + optimizer_step_scalar_bytes(z.optimizer, len(numels)))
     s0, s1, s2 = layout.step_ev(0), layout.step_ev(1), layout.step_ev(2)
     layout.free[layout.rows(Kind.GRAD)] = s2 if z.model_bytes == 4 else s1
+    if bucket_views and ddp_bucket_bytes:
+        g = layout.rows(Kind.GRAD) & (trace.ready >= 0)
+        layout.free[g] = layout.ev(trace.ready[g])
     if z.model_bytes != 4:
         layout.add("fp32_master", "optimizer_states", 4 * total)
         layout.add("fp32_grads", "gradients", 4 * total, s0, s2)
@@ -182,6 +190,22 @@ def tp_extra_bytes(tokens: int, tp_size: int, model_bytes: int, parallel_output:
     if not parallel_output:
         out += model_bytes * tokens * padded_vocab * (tp_size - 1) // tp_size
     return out
+
+
+def tp_async_grad_bytes(trace: StepTrace, tp_size: int, model_bytes: int) -> int:
+    """A backward-phase tensor a TP rank may hold beyond the traced shard: the column-parallel
+    layers' input gradient (shardformer/layer/_operation.py `LinearWithAsyncCommunication.backward`:
+    `grad_input = grad_output.matmul(weight)`, then `dist.all_reduce(grad_input, async_op=True)`
+    and `handle.wait()`) is also referenced by the process group's work object, which gloo's worker
+    thread drops after it has completed the work (ProcessGroupGloo `runLoop` resets
+    `workInProgress_` after `AsyncWork::execute`). Measured on 2 CPU processes: one micro-batch x
+    seq x hidden tensor (the LM head's input gradient) alive at the backward peak in some runs
+    and steps, not in others; it is counted (an upper bound: one such tensor, the largest a
+    column-parallel layer's input has)."""
+    if tp_size <= 1:
+        return 0
+    hidden = int(trace.params.shapes[int(np.flatnonzero(trace.params.role == Role.EMBEDDING)[0])][-1])
+    return trace.micro_batch_size * trace.seq_len * hidden * model_bytes
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -236,13 +260,15 @@ def colossalai_memory(traces, strategy, workload, ddp, cai, dp: int, device: str
         layouts = [lowlevel_zero_layout(t, z) for t in pair]
     else:
         wraps_ddp = hybrid_uses_torch_ddp(dp, strategy.pp_size, strategy.zero_stage)
-        layouts = [hybrid_stage0_layout(t, z, bucket_bytes(t, ddp.bucket_cap_mb) if wraps_ddp else [])
+        layouts = [hybrid_stage0_layout(t, z, bucket_bytes(t, ddp.bucket_cap_mb) if wraps_ddp else [],
+                                        bucket_views=ddp.gradient_as_bucket_view)
                    for t in pair]
     extra: dict = {}
     if strategy.tp_size > 1:
         tokens = traces.depth1.micro_batch_size * traces.depth1.seq_len
         b = tp_extra_bytes(tokens, strategy.tp_size, z.model_bytes, PARALLEL_OUTPUT, 0)
         extra = {ph: {"activations": b} for ph in ("forward", "backward")}
+        extra["backward"]["activations"] += tp_async_grad_bytes(traces.depth1, strategy.tp_size, z.model_bytes)
     if strategy.pp_size > 1:
         extra = _add(extra, pipeline_inflight_bytes(traces, strategy.pp_size, cai))
     notes = (f"ColossalAI {strategy.name}: plugin precision model traced without optimizer"
@@ -304,14 +330,18 @@ def pipeline_stage_layout(trace: StepTrace, z: ZeroSetup, stage: int, pp_size: i
     - parameters, gradients and optimizer states of the stage's parameters only (`pipeline_stage_params`);
     - activations by where the traced step allocated them (`StepTrace.layer_bounds`): the layers' rows
       are every stage's; rows allocated after the last layer in forward or before its backward
-      (final norm, LM head, loss) are the last stage's; before the first layer, the hidden-state-sized
-      rows (token embedding, BLOOM's embedding LayerNorm) and every row of the embedding's backward
-      are the first stage's, while the position tensors (rotary cos/sin, ALiBi) are recomputed on every
-      stage (shardformer/modeling/llama.py `llama_model_forward`; `get_held_layers` gives every stage
+      (final norm, LM head, loss) are the last stage's; before the first layer, the rows up to the
+      first layer's input hidden state (`layer_bounds['embedding']`: token embedding, BLOOM's
+      embedding LayerNorm output) and every row of the embedding's backward are the first stage's,
+      while what the model computes after it (rotary cos/sin, ALiBi, the 4D causal mask) is
+      recomputed on every stage (shardformer/modeling/llama.py `llama_model_forward` and bloom.py
+      `bloom_model_forward` build them on every stage; `get_held_layers` gives every stage
       `rotary_emb`);
-    - a non-last stage's output (`output_obj`) stays referenced until its `backward_step` returns;
-      a tied LM head's gradient contribution waiting for the embedding's is not the last stage's
-      (its LM head is its own parameter there and accumulates directly);
+    - a non-last stage's output (`output_obj`, the last layer's output hidden state,
+      `layer_bounds['output']`) stays referenced until its `backward_step` returns, also where the
+      traced final norm frees it in forward (a 16-bit model's RMSNorm keeps only its fp32 upcast); a tied LM head's gradient contribution waiting
+      for the embedding's is not the last stage's (its LM head is its own parameter there and
+      accumulates directly);
     - p2p buffers (pipeline/p2p.py `_create_recv_buffer`: `torch.empty` of the received shape): a
       non-first stage's received hidden state (`input_obj`, micro-batch x seq x hidden) alive until
       its layers' backward ends, a non-last stage's received output gradient (`recv_backward`) through
@@ -323,6 +353,12 @@ def pipeline_stage_layout(trace: StepTrace, z: ZeroSetup, stage: int, pp_size: i
       forward and alive at its end) are added over forward and backward. Gradients accumulate over
       the micro-batches (`.grad` kept until `zero_grad`): when m > k a forward runs after a
       backward with every gradient alive, and later backwards start with them;
+    - when m > k, that forward also runs with the previous backward's micro-batch still referenced
+      by the steady-state loop's locals until `forward_step` returns (`output_obj` is rebound to its
+      result; `output_obj_grad` only by the `send_forward_recv_backward` after it): on a non-last
+      stage its output hidden state and received output gradient, and on a non-first stage its
+      received hidden state, a leaf that the previous `output_obj`'s autograd graph keeps (its
+      AccumulateGrad node holds the leaf after `backward` has freed the saved tensors);
     - the last stage's loss: shardformer/layer/loss.py `dist_cross_entropy` copies the shifted
       logits (`logits[..., :-1, :].contiguous()`) and labels, alive through the loss forward; with a
       16-bit model it runs `CrossEntropyLoss` on them in that dtype, so the traced loss's fp32 rows
@@ -348,14 +384,15 @@ def pipeline_stage_layout(trace: StepTrace, z: ZeroSetup, stage: int, pp_size: i
     tokens = t.micro_batch_size * t.seq_len
     boundary = tokens * hidden * z.model_bytes  # one micro-batch's hidden state
     head = ((t.alloc >= lf1) & (t.alloc < fb)) | ((t.alloc >= ba) & (t.alloc < lb0))
-    embed = (((t.alloc >= fa) & (t.alloc < lf0) & (t.nbytes == boundary))
-             | ((t.alloc >= lb1) & (t.alloc < bb)))
+    e0, e1 = t.layer_bounds["embedding"]
+    embed = (((t.alloc >= e0) & (t.alloc < e1)) | ((t.alloc >= lb1) & (t.alloc < bb)))
     if stage < pp_size - 1:
         layout.mask &= ~(other & head)
-        # the stage's output (`output_obj`, consumed by the LM head in the traced step) stays
-        # referenced by the schedule until its `backward_step` returns
-        out = other & (t.alloc >= lf0) & (t.alloc < lf1) & (t.free >= ba) & (t.free < lb0)
-        layout.free[out] = layout.ev(lb1)
+        # the stage's output (`output_obj`) stays referenced by the schedule until its
+        # `backward_step` returns
+        o0, o1 = t.layer_bounds["output"]
+        out = other & (t.alloc >= o0) & (t.alloc < o1)
+        layout.free[out] = np.maximum(layout.free[out], layout.ev(lb1))
     if stage > 0:
         # and rows made in the LM head's backward that wait for the embedding's (a tied weight's
         # gradient contribution): the last stage's LM head is its own parameter
@@ -380,6 +417,14 @@ def pipeline_stage_layout(trace: StepTrace, z: ZeroSetup, stage: int, pp_size: i
         # the previous backward's `input_obj_grad` stays referenced until the next `backward_step`
         # returns: through the next forward and the later backwards
         layout.add("previous_input_grad", "activations", boundary, fa, end)
+    if micro > k:
+        # a forward after a backward (one_f_one_b.py `run_forward_backward`, steady state): the
+        # previous micro-batch's `output_obj` (and `output_obj_grad`) are rebound only after it
+        if stage > 0:
+            layout.add("previous_recv_hidden_state", "activations", boundary, fa, fb)
+        if stage < pp_size - 1:
+            layout.add("previous_output", "activations", boundary, fa, fb)
+            layout.add("previous_output_grad", "activations", boundary, fa, fb)
     if stage == pp_size - 1:
         # shardformer/layer/loss.py `dist_cross_entropy` (the shardformer's causal-LM forwards):
         # `logits[..., :-1, :].contiguous()` and the shifted labels, alive through the loss forward
@@ -417,6 +462,7 @@ def pipeline_memory(traces, strategy, workload, cai, dp: int, device: str) -> La
         tokens = traces.depth1.micro_batch_size * traces.depth1.seq_len
         b = tp_extra_bytes(tokens, strategy.tp_size, z.model_bytes, PARALLEL_OUTPUT, 0)
         extra = {ph: {"activations": b} for ph in ("forward", "backward")}
+        extra["backward"]["activations"] += tp_async_grad_bytes(traces.depth1, strategy.tp_size, z.model_bytes)
     notes = (f"ColossalAI cai_pp: each of the {pp} stages from the traced step (its parameters, its "
              f"activations, p2p buffers, min(pp - stage, {m}) micro-batches in flight under 1F1B); "
              "launcher/backends/colossalai/layout.py `pipeline_stage_layout`.",)

@@ -1,0 +1,75 @@
+"""Which activations a checkpointed decoder layer keeps: `training.checkpoint_policy`.
+
+The tracer and the worker both enable checkpointing through transformers'
+`activation_checkpointing_enable` with the keyword arguments this module builds, so the traced
+step saves and recomputes exactly what the real run does.
+
+- `full`: the layer keeps only its inputs and recomputes everything in backward
+  (torch.utils.checkpoint, non-reentrant; transformers' default).
+- `selective_op`: torchtitan's per-op selective activation checkpointing
+  (torchtitan/parallelisms/parallelize_llama.py `_apply_ac_to_transformer_block` with
+  `selective_ac_option = "op"`, at the commit of its Llama 3.1 H100 benchmarks, 9dec370): inside
+  each checkpointed layer the outputs of matrix multiplies, attention kernels and reduce-scatters
+  are saved, except every second `aten.mm` of the layer, and everything else is recomputed
+  (`torch.utils.checkpoint.create_selective_checkpoint_contexts`, `CheckpointPolicy.MUST_SAVE` /
+  `PREFER_RECOMPUTE`). The count of matrix multiplies restarts in every layer (a fresh `meta` per
+  checkpoint call). On CPU processes SDPA runs `_scaled_dot_product_flash_attention_for_cpu`, the
+  CPU kernel of the flash attention op the GPU runs; it is saved like the GPU's.
+"""
+from __future__ import annotations
+
+POLICIES = ("full", "selective_op")
+
+
+def _save_list():
+    """torchtitan's `_save_list` (parallelize_llama.py @9dec370) plus the CPU flash-attention op."""
+    import torch
+
+    aten = torch.ops.aten
+    ops = {aten.mm.default, aten._scaled_dot_product_efficient_attention.default,
+           aten._scaled_dot_product_flash_attention.default,
+           aten._scaled_dot_product_flash_attention_for_cpu.default,
+           aten.abs.default, aten.max.default}
+    c10d = getattr(torch.ops, "_c10d_functional", None)
+    if c10d is not None and hasattr(c10d, "reduce_scatter_tensor"):
+        ops.add(c10d.reduce_scatter_tensor.default)
+    return frozenset(ops)
+
+
+def selective_op_context():
+    """The `context_fn` of one checkpoint call: torchtitan's op policy with a fresh mm count."""
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    save = _save_list()
+    mm = torch.ops.aten.mm.default
+    meta = {"forward_mm_count": 0, "recompute_mm_count": 0}
+
+    def policy(ctx, func, *args, **kwargs):
+        key = ("recompute" if ctx.is_recompute else "forward") + "_mm_count"
+        if func == mm:
+            meta[key] += 1
+        keep = func in save and not (func == mm and meta[key] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def checkpoint_kwargs(policy: str) -> dict | None:
+    """Keyword arguments for `torch.utils.checkpoint.checkpoint` (via transformers'
+    `activation_checkpointing_kwargs`); None = transformers' default ({"use_reentrant": False})."""
+    if policy not in POLICIES:
+        raise ValueError(f"checkpoint policy {policy!r}; expected one of {POLICIES}")
+    if policy == "full":
+        return None
+    return {"use_reentrant": False, "context_fn": selective_op_context}
+
+
+def enable(model, policy: str = "full") -> None:
+    """Turn on activation checkpointing of `model`'s decoder layers with `policy`."""
+    kwargs = checkpoint_kwargs(policy)
+    enable_fn = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5
+    if enable_fn is not None:
+        enable_fn(activation_checkpointing_kwargs=kwargs)
+    else:  # transformers 4 (the ColossalAI environment)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or {"use_reentrant": False})
