@@ -31,7 +31,6 @@ import itertools
 import os
 import platform
 import socket
-import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -56,6 +55,8 @@ def timed_s(fn, repeats: int, sync=lambda: None) -> float:
         fn()
         sync()
         times.append(time.perf_counter() - start)
+    import statistics  # with fractions and decimal: only when measuring
+
     return statistics.median(times)
 
 

@@ -520,7 +520,10 @@ class LauncherConfig:
 def register_schema() -> None:
     """Make `launcher_schema` (the typed base of conf/config.yaml) known to Hydra. Called by the
     entry points before they compose (launcher/__main__.py, launcher/cli.py `compose`), so the
-    planning core that reads these dataclasses never imports Hydra."""
+    planning core that reads these dataclasses never imports Hydra. Stored once per process:
+    turning the dataclasses into a structured config is the slow part."""
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(name="launcher_schema", node=LauncherConfig)
+    store = ConfigStore.instance()
+    if "launcher_schema.yaml" not in store.repo:
+        store.store(name="launcher_schema", node=LauncherConfig)

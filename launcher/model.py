@@ -32,6 +32,7 @@ class ModelSpec:
     max_positions: Optional[int]  # None when positions are unbounded (ALiBi)
     tie_word_embeddings: bool
     attn_implementations: tuple  # what transformers supports for this architecture
+    no_split_modules: tuple = ()  # the causal-LM class's `_no_split_modules` (its decoder block classes)
 
     @property
     def hf_config_json(self) -> str:
@@ -53,7 +54,7 @@ def read_config_path(path: str) -> dict:
     return data
 
 
-SPEC_FORMAT = 1
+SPEC_FORMAT = 2  # bump when ModelSpec's fields change
 
 
 def load_spec(mc: ModelConfig, cache_dir: Optional[str] = None) -> ModelSpec:
@@ -114,6 +115,7 @@ def _read_spec(mc: ModelConfig, hf: dict, name: str) -> ModelSpec:
         max_positions=None if max_pos is None or cfg.model_type == "bloom" else int(max_pos),
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", True)),
         attn_implementations=supported_attention(cfg.model_type),
+        no_split_modules=no_split_modules(cfg.model_type),
     )
 
 
@@ -130,6 +132,19 @@ def supported_attention(model_type: str) -> tuple:
     if cls is None or getattr(cls, "_supports_flash_attn", False):
         out.append("flash_attention_2")
     return tuple(out)
+
+
+def no_split_modules(model_type: str) -> tuple:
+    """The decoder block classes transformers names for this family: `_no_split_modules` of its
+    causal-LM class (what Accelerate's TRANSFORMER_BASED_WRAP falls back to); () if none."""
+    try:
+        import transformers
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    except (KeyError, AttributeError, ImportError):
+        return ()
+    return tuple(getattr(cls, "_no_split_modules", None) or ())
 
 
 def effective_attention(spec: ModelSpec, requested: str) -> tuple[str, str]:

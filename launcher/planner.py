@@ -2,7 +2,9 @@
 why, ranked fastest first; the chosen one is the fastest that fits with the safety margin.
 
 Pure: given the config, the model and the cluster, returns a Plan. The expensive part (tracing a
-step under fake tensors) is memoised per trace key inside launcher.trace.
+step under fake tensors) is memoised per trace key inside launcher.trace; allocator replays
+(launcher/memory/replay.py) and whole candidates (launcher/candidate_memo.py) are kept on disk
+under keys that cover every input and the code.
 """
 from __future__ import annotations
 
@@ -13,11 +15,13 @@ from launcher.backends import registry
 from launcher.backends.base import Ask
 from launcher.backends.colossalai import runtime as colossalai_runtime
 from launcher.backends.registry import backend_of
+from launcher.candidate_memo import CandidateMemo
 from launcher.config import LauncherConfig
 from launcher.environment import Env, detect
 from launcher.errors import ConfigError
 from launcher.margin import confidence_note
 from launcher.memory import estimate as memory_model
+from launcher.memory.replay import ReplayMemo
 from launcher.memory.runtime import flash_attention_backward_bytes
 from launcher.model import ModelSpec, effective_attention
 from launcher.parallel import tp_degrees, tp_sizes
@@ -173,19 +177,23 @@ def model_numbers(traces) -> dict:
 
 
 def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy: Strategy,
-             micro: int, variant=None) -> tuple[Candidate, dict]:
+             micro: int, variant=None, replay_memo=None) -> tuple[Candidate, dict]:
     """Estimate one candidate's memory and speed from the traced step; `variant`
-    (launcher.peft.TrainingVariant): what it trains (default: what the config asks)."""
+    (launcher.peft.TrainingVariant): what it trains (default: what the config asks);
+    `replay_memo` (launcher/memory/replay.py `ReplayMemo`): allocator replays kept on disk
+    (default: this process's memo of the config's cache directory)."""
     dp = cluster.num_gpus // (strategy.tp_size * strategy.pp_size)
     variant = variant or TrainingVariant("full", None, config.training.gradient_checkpointing)
     wl = replace(workload(config, spec, micro), gradient_checkpointing=variant.gradient_checkpointing)
     traces = traced(config, spec, strategy, wl, variant.lora)
+    replay_memo = replay_memo if replay_memo is not None else ReplayMemo.shared(config.cache_dir)
     numbers = model_numbers(traces)
     accum = grad_accum(config, micro, dp)
     if backend_of(strategy).grad_accum:  # e.g. a pipeline's micro-batches
         accum = backend_of(strategy).grad_accum(strategy, config, accum)
     knobs = registry.knobs(config)
-    mem = memory_model.estimate(traces, strategy, wl, cluster, knobs, dp, attention_workspace(spec, strategy, wl))
+    mem = memory_model.estimate(traces, strategy, wl, cluster, knobs, dp, attention_workspace(spec, strategy, wl),
+                                replay_memo=replay_memo)
     mem = replace(mem, notes=tuple(mem.notes) + trace.trace_notes(trace_key(spec, strategy, wl, variant.lora)))
     flops = {k: traces.at_depth(lambda t, k=k: t.flops.get(k, 0.0))
              for k in ("forward", "backward", "attention_forward", "attention_backward")}
@@ -241,6 +249,7 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env | N
     candidates: list[Candidate] = []
     notes: list[str] = []
     numbers: dict = {}
+    memo, done = ReplayMemo.shared(config.cache_dir), CandidateMemo(config, spec, cluster)
     variants = training_variants(config, cluster.device)
     pairs = [(s, v) for v in variants for s in strategies_for(config, spec)]
     for name in [n for n, t in STRATEGIES.items() if t.tp_size > 1 and config.strategy.name in ("auto", n)]:
@@ -249,32 +258,42 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env | N
         if not trace.tp_traceable(spec.model_type) and tp_sizes(config, spec):
             notes.append(f"{name} not planned: no tensor-parallel sharding rule for model type {spec.model_type} "
                          "yet (launcher/tp_shard.py)")
-    for strategy, variant in pairs:
-        why = unsupported(strategy, config, cluster, spec, env, peft=variant.peft)
-        if why:
-            if config.strategy.name != "auto":
-                raise ConfigError(why if why.startswith(f"strategy={strategy.name} ") else f"strategy={strategy.name}: {why}")
-            notes.append(f"{strategy.name}{'' if len(variants) == 1 else ' (' + variant.label + ')'} "
-                         f"not planned: {why.removeprefix(f'strategy={strategy.name} ')}")
-            continue
-        dp = cluster.num_gpus // (strategy.tp_size * strategy.pp_size)
-        micros = micro_batch_sizes(config, dp)
-        if not micros:
-            raise ConfigError(f"training.global_batch_size={config.training.global_batch_size} is not divisible by "
-                              f"any micro-batch x data-parallel size {dp}; use a multiple of {dp}")
-        label = f"{strategy.name}{'' if len(variants) == 1 else ' (' + variant.label + ')'}"
-        for micro in micros:
-            try:
-                cand, numbers = evaluate(config, spec, cluster, strategy, micro, variant)
-            except (RuntimeError, NotImplementedError) as err:  # the model's own step fails as this strategy runs it
-                why = f"the traced step fails at micro-batch {micro}: {str(err).splitlines()[0]}"
+    prefetch(config, spec, cluster, env, pairs)
+    try:
+        for strategy, variant in pairs:
+            why = unsupported(strategy, config, cluster, spec, env, peft=variant.peft)
+            if why:
                 if config.strategy.name != "auto":
-                    raise ConfigError(f"strategy={strategy.name}: {why}") from None
-                notes.append(f"{label} not planned: {why}")
-                break
-            candidates.append(cand)
-            if not cand.fits:
-                break
+                    raise ConfigError(why if why.startswith(f"strategy={strategy.name} ") else f"strategy={strategy.name}: {why}")
+                notes.append(f"{strategy.name}{'' if len(variants) == 1 else ' (' + variant.label + ')'} "
+                             f"not planned: {why.removeprefix(f'strategy={strategy.name} ')}")
+                continue
+            dp = cluster.num_gpus // (strategy.tp_size * strategy.pp_size)
+            micros = micro_batch_sizes(config, dp)
+            if not micros:
+                raise ConfigError(f"training.global_batch_size={config.training.global_batch_size} is not divisible by "
+                                  f"any micro-batch x data-parallel size {dp}; use a multiple of {dp}")
+            label = f"{strategy.name}{'' if len(variants) == 1 else ' (' + variant.label + ')'}"
+            for micro in micros:
+                try:
+                    hit = done.get(strategy, micro, variant)
+                    if hit is None:
+                        hit = evaluate(config, spec, cluster, strategy, micro, variant)
+                        done.put(strategy, micro, variant, hit)
+                    cand, numbers = hit
+                except (RuntimeError, NotImplementedError) as err:  # the model's own step fails as this strategy runs it
+                    why = f"the traced step fails at micro-batch {micro}: {str(err).splitlines()[0]}"
+                    if config.strategy.name != "auto":
+                        raise ConfigError(f"strategy={strategy.name}: {why}") from None
+                    notes.append(f"{label} not planned: {why}")
+                    break
+                candidates.append(cand)
+                if not cand.fits:
+                    break
+    finally:
+        trace.stop_prefetch()
+    memo.save()
+    done.save()
     asked = variants[0].trains
     ranked = sorted(candidates, key=lambda c: (not c.fits, c.trains != asked, -c.speed.tokens_per_s,
                                                c.memory.device_total_bytes))
@@ -301,6 +320,19 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env | N
              "num_layers": spec.num_layers, "hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size}
     return Plan(model=model, hardware=cluster.hardware, gpus=cluster.num_gpus, nodes=cluster.num_nodes,
                 candidates=tuple(ranked), chosen=chosen, notes=tuple(notes))
+
+
+def prefetch(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env, pairs) -> None:
+    """Name to launcher.trace the steps the first three micro-batch sizes of every plannable
+    strategy and variant trace, so a second process traces them alongside (`trace.prefetch`)."""
+    keys = []
+    for strategy, variant in pairs:
+        if unsupported(strategy, config, cluster, spec, env, peft=variant.peft):
+            continue
+        for micro in micro_batch_sizes(config, cluster.num_gpus // (strategy.tp_size * strategy.pp_size))[:3]:
+            wl = replace(workload(config, spec, micro), gradient_checkpointing=variant.gradient_checkpointing)
+            keys.append(trace_key(spec, strategy, wl, variant.lora))
+    trace.prefetch(keys, spec.num_layers, config.cache_dir)
 
 
 def explain_loss(c: Candidate, best: Candidate | None, spec: ModelSpec, env: Env | None = None,

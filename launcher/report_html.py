@@ -7,14 +7,18 @@ Read from the run directory: plan.json (every candidate), and when present measu
 3. measured per-rank peaks next to the estimate, loss and throughput per step, after a run;
 4. every candidate's verdict and the chosen one's assumptions.
 Works offline: nothing is loaded from the network.
+
+The figures are Plotly figure dicts (what `plotly.graph_objects.Figure.to_plotly_json` gives for
+the same figure, with Plotly's default template), written the way `plotly.io.to_html` writes them
+(`figure_div`), with the plotly.js bundled in the plotly package inlined: the Python side of
+Plotly, whose figure classes take longer to import and validate than a plan takes, is not used.
 """
 from __future__ import annotations
 
 import html
+import importlib.util
 import json
 from pathlib import Path
-
-import plotly.graph_objects as go
 
 FILE = "plan.html"
 SEGMENTS = (("parameters", "parameters"), ("gradients", "gradients"), ("optimizer_states", "optimizer states"),
@@ -59,59 +63,76 @@ def capacity(plan: dict) -> int:
     return plan["candidates"][0]["memory"]["capacity_bytes"] if plan["candidates"] else 0
 
 
-def memory_figure(plan: dict, usable: float) -> go.Figure:
+def hline(y: float, text: str, dash: str, where: str) -> tuple[dict, dict]:
+    """(shape, annotation) of a horizontal line across the plot, as `Figure.add_hline` makes them
+    (annotation_position 'top right' or 'bottom left')."""
+    shape = {"line": {"color": "black", "dash": dash}, "type": "line", "x0": 0, "x1": 1, "xref": "x domain",
+             "y0": y, "y1": y, "yref": "y"}
+    x, xanchor, yanchor = (1, "right", "bottom") if where == "top right" else (0, "left", "top")
+    return shape, {"showarrow": False, "text": text, "x": x, "xanchor": xanchor, "xref": "x domain", "y": y,
+                   "yanchor": yanchor, "yref": "y"}
+
+
+def memory_figure(plan: dict, usable: float) -> dict:
     name, scale = unit(plan, usable)
     cands = plan["candidates"]
     x = [label(i, c) for i, c in enumerate(cands)]
-    fig = go.Figure()
-    for (key, title), color in zip(SEGMENTS, COLORS):
-        fig.add_bar(name=title, x=x, y=[segments(c)[key] / scale for c in cands], marker_color=color,
-                    hovertemplate=f"%{{x}}<br>{title}: %{{y:.2f}} {name}<extra></extra>")
+    data = [{"hovertemplate": f"%{{x}}<br>{title}: %{{y:.2f}} {name}<extra></extra>", "marker": {"color": color},
+             "name": title, "x": x, "y": [segments(c)[key] / scale for c in cands], "type": "bar"}
+            for (key, title), color in zip(SEGMENTS, COLORS)]
+    layout: dict = {}
     title = f"Peak memory per {per(plan)} of every candidate (worst rank)"
     if off_scale(plan, usable):
         title += f"; usable {usable / 2**30:.2f} GiB, above every candidate"
     else:
-        for value, text, dash, where in ((capacity(plan), "device", "solid", "top right"),
-                                         (usable, "usable", "dash", "bottom left")):
-            fig.add_hline(y=value / scale, line_dash=dash, line_color="black",
-                          annotation_text=f"{text} {value / scale:.2f} {name}", annotation_position=where)
-    fig.update_layout(barmode="stack", title=title,
-                      yaxis_title=name, xaxis_tickangle=-60, height=620, legend_orientation="h",
-                      legend_y=1.08, margin={"b": 200})
-    return fig
+        lines = [hline(value / scale, f"{text} {value / scale:.2f} {name}", dash, where)
+                 for value, text, dash, where in ((capacity(plan), "device", "solid", "top right"),
+                                                  (usable, "usable", "dash", "bottom left"))]
+        layout = {"shapes": [sh for sh, _ in lines], "annotations": [a for _, a in lines]}
+    layout.update({"xaxis": {"tickangle": -60}, "legend": {"orientation": "h", "y": 1.08}, "margin": {"b": 200},
+                   "barmode": "stack", "title": {"text": title}, "yaxis": {"title": {"text": name}}, "height": 620})
+    return {"data": data, "layout": layout}
 
 
 def per(plan: dict) -> str:
     return "CPU process" if plan["device"] == "cpu" else "GPU"
 
 
-def speed_figure(plan: dict, usable: float) -> go.Figure:
+def speed_figure(plan: dict, usable: float) -> dict:
     name, scale = unit(plan, usable)
     cands = plan["candidates"]
-    fig = go.Figure()
+    data = []
     for fits, color in ((True, "#4c78a8"), (False, "#e45756")):
         idx = [i for i, c in enumerate(cands) if c["fits"] == fits]
-        fig.add_scatter(name="fits" if fits else "does not fit", mode="markers", marker_color=color,
-                        x=[cands[i]["memory"]["device_total_bytes"] / scale for i in idx],
-                        y=[cands[i]["speed"]["tokens_per_s"] for i in idx], text=[label(i, cands[i]) for i in idx],
-                        hovertemplate="%{text}<br>%{x:.2f} " + name + ", %{y:,.0f} tokens/s<extra></extra>")
+        data.append({"hovertemplate": "%{text}<br>%{x:.2f} " + name + ", %{y:,.0f} tokens/s<extra></extra>",
+                     "marker": {"color": color}, "mode": "markers", "name": "fits" if fits else "does not fit",
+                     "text": [label(i, cands[i]) for i in idx],
+                     "x": [cands[i]["memory"]["device_total_bytes"] / scale for i in idx],
+                     "y": [cands[i]["speed"]["tokens_per_s"] for i in idx], "type": "scatter"})
     if plan["chosen"] is not None:
         c = cands[plan["chosen"]]
-        fig.add_scatter(name="chosen", mode="markers+text", x=[c["memory"]["device_total_bytes"] / scale],
-                        y=[c["speed"]["tokens_per_s"]], text=[label(plan["chosen"], c)], textposition="top center",
-                        marker={"symbol": "star", "size": 18, "color": "#54a24b", "line": {"width": 1}})
-    if not off_scale(plan, usable):
-        fig.add_vline(x=usable / scale, line_dash="dash", annotation_text="usable")
-    fig.update_layout(title="Estimated throughput against memory", xaxis_title=f"{name} per {per(plan)}",
-                      yaxis_title="tokens/s (whole cluster)", height=480)
-    return fig
+        data.append({"marker": {"color": "#54a24b", "line": {"width": 1}, "size": 18, "symbol": "star"},
+                     "mode": "markers+text", "name": "chosen", "text": [label(plan["chosen"], c)],
+                     "textposition": "top center", "x": [c["memory"]["device_total_bytes"] / scale],
+                     "y": [c["speed"]["tokens_per_s"]], "type": "scatter"})
+    layout: dict = {}
+    if not off_scale(plan, usable):  # as Figure.add_vline makes it
+        x = usable / scale
+        layout = {"shapes": [{"line": {"dash": "dash"}, "type": "line", "x0": x, "x1": x, "xref": "x", "y0": 0, "y1": 1,
+                              "yref": "y domain"}],
+                  "annotations": [{"showarrow": False, "text": "usable", "x": x, "xanchor": "left", "xref": "x",
+                                   "y": 1, "yanchor": "top", "yref": "y domain"}]}
+    layout.update({"title": {"text": "Estimated throughput against memory"},
+                   "xaxis": {"title": {"text": f"{name} per {per(plan)}"}},
+                   "yaxis": {"title": {"text": "tokens/s (whole cluster)"}}, "height": 480})
+    return {"data": data, "layout": layout}
 
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
 
 
-def measured_figures(run_dir: Path, plan: dict) -> list[go.Figure]:
+def measured_figures(run_dir: Path, plan: dict) -> list[dict]:
     """Measured per-rank peaks next to the estimate; loss and throughput per step (of mode=run,
     or of mode=measure's timing pass, which runs without the memory tracker)."""
     figs = []
@@ -123,20 +144,57 @@ def measured_figures(run_dir: Path, plan: dict) -> list[go.Figure]:
         rows = [{"rank": r, "estimated_peak_bytes": est, "measured_peak_bytes": p} for r, p in enumerate(peaks)]
     if rows:
         name, scale = unit_of(max(max(r["estimated_peak_bytes"], r["measured_peak_bytes"]) for r in rows))
-        fig = go.Figure()
         ranks = [f"rank {r['rank']}" for r in rows]
-        fig.add_bar(name="estimated", x=ranks, y=[r["estimated_peak_bytes"] / scale for r in rows])
-        fig.add_bar(name="measured", x=ranks, y=[r["measured_peak_bytes"] / scale for r in rows])
-        fig.update_layout(barmode="group", title="Peak allocated memory per rank: estimated and measured",
-                          yaxis_title=name, height=400)
-        figs.append(fig)
+        data = [{"name": what, "x": ranks, "y": [r[f"{what}_peak_bytes"] / scale for r in rows], "type": "bar"}
+                for what in ("estimated", "measured")]
+        figs.append({"data": data, "layout": {
+            "barmode": "group", "title": {"text": "Peak allocated memory per rank: estimated and measured"},
+            "yaxis": {"title": {"text": name}}, "height": 400}})
     if metrics:
         steps = [m["step"] for m in metrics]
         for key, title in (("loss", "Training loss"), ("tokens_per_s", "Measured throughput (tokens/s)")):
-            fig = go.Figure(go.Scatter(x=steps, y=[m.get(key) for m in metrics], mode="lines+markers", name=key))
-            fig.update_layout(title=title, xaxis_title="step", height=360, xaxis_dtick=max(1, len(steps) // 10))
-            figs.append(fig)
+            figs.append({"data": [{"mode": "lines+markers", "name": key, "x": steps, "y": [m.get(key) for m in metrics],
+                                   "type": "scatter"}],
+                         "layout": {"title": {"text": title}, "xaxis": {"title": {"text": "step"},
+                                                                       "dtick": max(1, len(steps) // 10)},
+                                    "height": 360}})
     return figs
+
+
+def _plotly_file(*parts: str) -> Path:
+    """A file of the installed plotly package (found without importing it)."""
+    spec = importlib.util.find_spec("plotly")
+    return Path(next(iter(spec.submodule_search_locations))).joinpath(*parts)
+
+
+def to_json(value) -> str:
+    """Compact JSON safe inside a <script> element, as `plotly.io.to_json_plotly` writes it (NaN
+    and infinities as null; <, > and / escaped)."""
+    out = json.dumps(value, separators=(",", ":"))
+    if "NaN" in out or "Infinity" in out:
+        out = json.dumps(json.loads(out, parse_constant=lambda _: None), separators=(",", ":"))
+    return out.replace("<", "\\u003c").replace(">", "\\u003e").replace("/", "\\u002f")
+
+
+def figure_div(fig: dict, div_id: str, include_plotlyjs: bool, template: dict) -> str:
+    """The <div> `plotly.io.to_html(fig, full_html=False, include_plotlyjs="inline" or False,
+    div_id=div_id, config={"displaylogo": False})` writes for this figure with `template`."""
+    layout = {"template": template, **fig["layout"]}
+    height = f"{layout['height']}px" if "height" in layout else "100%"
+    load = ""
+    if include_plotlyjs:
+        js = _plotly_file("package_data", "plotly.min.js").read_text(encoding="utf-8")
+        load = ("        <script>window.PlotlyConfig = {MathJaxConfig: 'local'};</script>\n"
+                f"        <script>{js}</script>    ")
+    config = json.dumps({"displaylogo": False, "responsive": True})
+    script = (f'                if (document.getElementById("{div_id}")) {{                    Plotly.newPlot('
+              f'                        "{div_id}",                        {to_json(fig["data"])},'
+              f'                        {to_json(layout)},                        {config}                    )'
+              "                }")
+    return (f'<div style="height:{height}; width:100%;">                {load}            <div id="{div_id}" '
+            'class="plotly-graph-div" style="height:100%; width:100%;"></div>            <script>'
+            f"                window.PLOTLYENV=window.PLOTLYENV || {{}};                {script};            "
+            "</script>        </div>").strip()
 
 
 def verdict_table(plan: dict) -> str:
@@ -172,8 +230,8 @@ def render(run_dir: Path, safety_margin: float | None, device: str, results_dir:
     usable = capacity(plan) * (1 - (safety_margin or 0.0))
     figs = [("memory", memory_figure(plan, usable)), ("speed", speed_figure(plan, usable))]
     figs += [(f"measured-{k}", f) for k, f in enumerate(measured_figures(results_dir or run_dir, plan))]
-    parts = [f.to_html(full_html=False, include_plotlyjs="inline" if k == 0 else False, div_id=name,
-                       config={"displaylogo": False}) for k, (name, f) in enumerate(figs)]
+    template = json.loads(_plotly_file("package_data", "templates", "plotly.json").read_text())
+    parts = [figure_div(f, name, k == 0, template) for k, (name, f) in enumerate(figs)]
     chosen = plan["chosen"]
     headline = ("no candidate fits" if chosen is None else
                 f"chosen: {html.escape(label(chosen, plan['candidates'][chosen]))}")

@@ -32,7 +32,6 @@ from pathlib import Path
 
 from launcher.shell import resolve, shell_word
 from launcher.config import LauncherConfig
-from launcher.slurm_job import FallbackTask
 from launcher import launch
 
 """Variables of the torchrun argv (launcher/launch.py torchrun_argv) that only the job knows."""
@@ -184,6 +183,7 @@ def submit(config: LauncherConfig, job, plan=None, spec=None):
     executor.update_parameters(**{k: v for k, v in params.items() if v is not None})
     if plan is None:
         return executor.submit(run_node, list(job.argv), task_env(config, job.env))
+    from launcher.slurm_job import FallbackTask  # submitit's classes: imported only to submit
 
     return executor.submit(FallbackTask(plan, config, spec, job, task_env(config, job.env)))
 

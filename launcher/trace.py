@@ -36,7 +36,6 @@ import re
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from unittest import mock
 from typing import Optional
 
 import numpy as np
@@ -471,6 +470,8 @@ def _unpacked_sequences():
     position ids, so SDPA runs with `is_causal=True` and no mask. On fake tensors it cannot read
     the values and returns the mask, which makes SDPA materialize a seq x seq mask and leave the
     flash kernel (+5% to +22% peak on small models). Our position ids are never packed."""
+    from unittest import mock  # imports asyncio: only where a step is traced
+
     from transformers import masking_utils
 
     if not hasattr(masking_utils, "find_packed_sequence_indices"):
@@ -487,6 +488,8 @@ def _sdpa_as_transformers4():
     key/value heads with `repeat_kv`, where transformers 5 passes `enable_gqa=True` to SDPA without
     a mask (`use_gqa_in_sdpa`), and then calls `.contiguous()` on query, key and value (a copy
     each for a repeated single key/value head, a stride-0 view, or a transposed value)."""
+    from unittest import mock
+
     import torch
     from transformers.integrations import sdpa_attention
 
@@ -747,7 +750,7 @@ def cached_trace(key: TraceKey, cache_dir: Optional[Path] = None) -> StepTrace:
     h = cache_key(key)
     if h in _MEMO:
         return _MEMO[h]
-    path = Path(cache_dir or DEFAULT_CACHE_DIR) / f"{h}.npz"
+    path = _cache_path(h, cache_dir)
     trace = None
     if path.exists():
         try:
@@ -757,8 +760,87 @@ def cached_trace(key: TraceKey, cache_dir: Optional[Path] = None) -> StepTrace:
     if trace is None:
         trace = trace_step(key)
         _save(trace, path)
+        _HELPER.start()  # torch and the model's code are imported now: a fork shares them
     _MEMO[h] = trace
     return trace
+
+
+def _cache_path(h: str, cache_dir) -> Path:
+    return Path(cache_dir or DEFAULT_CACHE_DIR) / f"{h}.npz"
+
+
+class _Helper:
+    """A second process that traces, from the end of a list, the steps a plan is going to need
+    while this process traces them from its start (`prefetch`); each writes what it traces to the
+    disk cache (atomically, `_save`), and each takes from the cache what the other has written.
+    A step both trace is traced twice, with the same result; a step the helper cannot trace is
+    traced here. The helper is forked after this process's first trace, so it starts with torch,
+    transformers and the model's code imported; it is ended when the plan is (`stop`)."""
+
+    def __init__(self):
+        self.pending: list[tuple[TraceKey, Path]] = []
+        self.pid: Optional[int] = None
+        self.dir: Optional[Path] = None
+
+    def start(self) -> None:
+        todo = [(k, p) for k, p in self.pending if not p.exists()]
+        self.pending = []
+        if self.pid is not None or len(todo) < 2 or not hasattr(os, "fork"):
+            return
+        import sys
+
+        sys.stdout.flush(), sys.stderr.flush()
+        pid = os.fork()
+        if pid:
+            self.pid, self.dir = pid, todo[0][1].parent
+            return
+        try:  # the helper: never returns into the caller's code
+            for key, path in reversed(todo):
+                if not path.exists():
+                    try:
+                        _save(trace_step(key), path)
+                    except Exception:  # noqa: BLE001 - the planner traces it and reports the error
+                        pass
+        finally:
+            os._exit(0)
+
+    def stop(self) -> None:
+        import signal
+
+        pid, self.pid, self.pending = self.pid, None, []
+        if pid is None:
+            return
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)
+        for tmp in self.dir.glob(f".*.{pid}.tmp") if self.dir else ():  # a file it was writing
+            tmp.unlink(missing_ok=True)
+
+
+_HELPER = _Helper()
+
+
+def prefetch(keys, num_layers: int, cache_dir: Optional[Path] = None) -> None:
+    """Let a helper process trace the steps of these `TraceKey`s (as `trace_set` asks for them at
+    `num_layers`) that are not cached yet, in parallel with this process, once this process has
+    traced its first step (`_Helper`); on a machine with one CPU, nothing."""
+    if (os.cpu_count() or 1) < 2:
+        return
+    seen, todo = set(), []
+    for key in keys:
+        for k in step_keys(key, num_layers):
+            h = cache_key(k)
+            if h not in seen and h not in _MEMO:
+                seen.add(h)
+                todo.append((k, _cache_path(h, cache_dir)))
+    _HELPER.pending = todo
+
+
+def stop_prefetch() -> None:
+    """End the helper process (`prefetch`), if any."""
+    _HELPER.stop()
 
 
 def trace_set(key: TraceKey, num_layers: Optional[int] = None, cache_dir: Optional[Path] = None,
@@ -774,6 +856,18 @@ def trace_set(key: TraceKey, num_layers: Optional[int] = None, cache_dir: Option
         num_layers = config_num_layers(key.hf_config_json)
     depths = EXTRAPOLATION_DEPTHS if num_layers >= EXTRAPOLATION_DEPTHS[1] else (1, 2)
     return TraceSet(*(_trace_at(key, d, cache_dir, scale_batch) for d in depths), num_layers)
+
+
+def step_keys(key: TraceKey, num_layers: int, scale_batch: bool = True) -> list[TraceKey]:
+    """The keys of the steps `trace_set(key, num_layers)` traces (`_trace_at`)."""
+    depths = EXTRAPOLATION_DEPTHS if num_layers >= EXTRAPOLATION_DEPTHS[1] else (1, 2)
+    out = []
+    for d in depths:
+        k = dataclasses.replace(key, num_layers=d)
+        b = k.micro_batch_size
+        out += ([dataclasses.replace(k, micro_batch_size=m) for m in BATCH_BASIS]
+                if scale_batch and b > BATCH_BASIS[1] else [k])
+    return out
 
 
 def config_num_layers(hf_config_json: str) -> int:

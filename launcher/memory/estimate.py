@@ -61,13 +61,14 @@ def layout_set(traces: TraceSet, strategy: Strategy, workload: Workload, knobs, 
 
 
 def estimate(traces: TraceSet, strategy: Strategy, workload: Workload, cluster: Cluster, knobs,
-             dp_size: int, attention_workspace_bytes: int = 0) -> MemoryEstimate:
+             dp_size: int, attention_workspace_bytes: int = 0, replay_memo=None) -> MemoryEstimate:
     """Peak memory of the worst rank of `strategy` (module docstring: method and assumptions),
     with every rank's peak in `per_rank_peak_allocated_bytes` (by global rank, from the
     LayoutSet's groups) when ranks differ (ZeRO 1-2, pipeline stages).
     `knobs`: config group name -> its dataclass (the backend reads its own).
     `attention_workspace_bytes`: a GPU attention kernel's backward workspace
-    (runtime.py `flash_attention_backward_bytes`), added to the backward peak on cuda."""
+    (runtime.py `flash_attention_backward_bytes`), added to the backward peak on cuda.
+    `replay_memo` (replay.py `ReplayMemo`): allocator replay results kept on disk."""
     ls = layout_set(traces, strategy, workload, knobs, dp_size, cluster.device)
     traces, notes, gathered, extra = ls.traces, tuple(ls.notes), ls.gathered, dict(ls.extra)
     if cluster.device == "cuda" and attention_workspace_bytes:
@@ -75,14 +76,16 @@ def estimate(traces: TraceSet, strategy: Strategy, workload: Workload, cluster: 
         extra["backward"]["buffers"] = extra["backward"].get("buffers", 0) + attention_workspace_bytes
         notes = notes + (FLASH_NOTE,)
     if len(ls.groups) == 1 and not ls.groups[0][0]:
-        return _estimate(traces, list(ls.groups[0][1]), notes, gathered, extra, cluster, dp_size)
+        return _estimate(traces, list(ls.groups[0][1]), notes, gathered, extra, cluster, dp_size,
+                         replay_memo=replay_memo)
     per_rank, worst = {}, None
     for ranks, layouts in ls.groups:  # the allocator replay (cuda reserved) only for the worst rank
         totals = _phase_totals(traces, list(layouts), gathered, extra, cluster)
         per_rank.update((r, totals[2]) for r in ranks)
         if worst is None or totals[2] > worst[1][2]:
             worst = (list(layouts), totals)
-    est = _estimate(traces, worst[0], notes, gathered, extra, cluster, dp_size, totals=worst[1])
+    est = _estimate(traces, worst[0], notes, gathered, extra, cluster, dp_size, totals=worst[1],
+                    replay_memo=replay_memo)
     return replace(est, per_rank_peak_allocated_bytes=tuple(per_rank[r] for r in sorted(per_rank)))
 
 
@@ -115,7 +118,7 @@ def _phase_totals(traces: TraceSet, layouts: list, gathered, extra: dict, cluste
 
 
 def _estimate(traces: TraceSet, layouts: list, notes, gathered, extra: dict, cluster: Cluster,
-              dp_size: int, totals=None) -> MemoryEstimate:
+              dp_size: int, totals=None, replay_memo=None) -> MemoryEstimate:
     """The estimate of one rank from its layouts at the two traced depths (`totals`: their
     `_phase_totals`, when already computed)."""
     cuda = cluster.device == "cuda"
@@ -130,7 +133,8 @@ def _estimate(traces: TraceSet, layouts: list, notes, gathered, extra: dict, clu
                               tuple(notes) + CPU_NOTES)
     workspace = runtime.cublas_workspace_bytes(cluster.sm_arch)
     allocated = total[phase] + workspace
-    reserved = peak_reserved_bytes(layouts[-1], cluster.sm_arch, allocated, cluster.expandable_segments)
+    reserved = peak_reserved_bytes(layouts[-1], cluster.sm_arch, allocated, cluster.expandable_segments,
+                                   replay_memo)
     outside = runtime.cuda_context_bytes(cluster.cuda_context_bytes) + runtime.nccl_bytes(dp_size)
     bd["runtime"] = workspace + outside
     expandable = (EXPANDABLE_NOTE,) if cluster.expandable_segments else ()

@@ -41,3 +41,11 @@ def test_config_json_that_is_not_a_decoder(cli, tmp_path):
     assert r.returncode == 2
     assert "not a decoder-only causal LM" in r.stderr and "Traceback" not in r.stderr
 
+
+
+def test_only_a_sweep_asks_hydra_for_its_mode():
+    from launcher.__main__ import single_run
+
+    assert single_run(["model=gpt2", "gpus=2", "hydra.run.dir=x"])
+    for sweep in (["-m", "gpus=2,4"], ["--multirun"], ["hydra.mode=MULTIRUN"], ["++hydra.mode=MULTIRUN"]):
+        assert not single_run(["model=gpt2", *sweep])

@@ -13,6 +13,6 @@ BACKEND = Backend(
     check_worker_config="launcher.backends.fsdp2.worker:check_config",
     knobs=("fsdp2",),
     adapter_autocast=False,
-    exports=lambda plan, config: emit.exports(plan, config, plan.model.get("model_type", "")),
+    exports=emit.exports,
     expand=rules.expand, launch_problem=rules.launch_problem,
 )

@@ -77,21 +77,16 @@ def accelerate_config(strategy: Strategy, precision: str, num_processes: int, nu
 ACCELERATE_FILE = "accelerate_fsdp2_config.yaml"
 
 
-def decoder_layer_class(model_type: str) -> str | None:
-    """The decoder block class transformers names for this family (`_no_split_modules` of its
-    causal-LM class, which Accelerate's TRANSFORMER_BASED_WRAP also falls back to), or None."""
-    try:
-        import transformers
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+def decoder_layer_class(config) -> str | None:
+    """The decoder block classes transformers names for the model of `config`, or None: its
+    `ModelSpec.no_split_modules` (launcher/model.py), read from the spec cache when the plan has
+    been made, so writing the export imports neither transformers nor torch."""
+    from launcher.model import load_spec
 
-        cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
-    except (KeyError, AttributeError, ImportError):
-        return None
-    names = list(getattr(cls, "_no_split_modules", None) or [])
-    return ",".join(names) or None
+    return ",".join(load_spec(config.model, config.cache_dir).no_split_modules) or None
 
 
-def exports(plan, config, model_type: str) -> tuple[list[tuple[str, str]], str]:
+def exports(plan, config) -> tuple[list[tuple[str, str]], str]:
     """([(file name, text)], header line) for launcher/exports.py: the sharding plan JSON and the
     Accelerate FSDP2 config of the chosen candidate when it is an FSDP2 one, else of the fastest
     FSDP2 candidate that fits and can be launched."""
@@ -108,7 +103,7 @@ def exports(plan, config, model_type: str) -> tuple[list[tuple[str, str]], str]:
     t = config.training
     ckpt = t.gradient_checkpointing or c.gradient_checkpointing
     plan_json = plan_config(c.strategy, t.precision.name, config.gpus)
-    layer = decoder_layer_class(model_type)
+    layer = decoder_layer_class(config)
     acc = accelerate_config(c.strategy, t.precision.name, config.gpus, config.nodes, config.hardware.device,
                             layer, ckpt)
     if layer is None:
