@@ -469,15 +469,24 @@ def _unpacked_sequences():
     on real tensors it evaluates `(mask[:, -1] == 0).all()` and returns None for ordinary
     position ids, so SDPA runs with `is_causal=True` and no mask. On fake tensors it cannot read
     the values and returns the mask, which makes SDPA materialize a seq x seq mask and leave the
-    flash kernel (+5% to +22% peak on small models). Our position ids are never packed."""
+    flash kernel (+5% to +22% peak on small models). Our position ids are never packed.
+
+    Likewise `_ignore_causal_mask_sdpa` skips the mask on real tensors when the 2D padding mask is
+    all ones (`fast_all`), which it cannot read on fake ones: a model that builds a mask of ones
+    itself when none is given (BioGPT, for its learned positions) would trace a seq x seq mask the
+    real run never allocates. The traced inputs have no padding, so the check is answered without
+    the padding mask."""
     from unittest import mock  # imports asyncio: only where a step is traced
 
     from transformers import masking_utils
 
-    if not hasattr(masking_utils, "find_packed_sequence_indices"):
-        yield
-        return
-    with mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda _ids: None):
+    with contextlib.ExitStack() as stack:
+        if hasattr(masking_utils, "find_packed_sequence_indices"):
+            stack.enter_context(mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda _ids: None))
+        skip = getattr(masking_utils, "_ignore_causal_mask_sdpa", None)
+        if skip is not None:  # a mask of ones the model builds itself (BioGPT, for its positions)
+            stack.enter_context(mock.patch.object(
+                masking_utils, "_ignore_causal_mask_sdpa", lambda _padding_mask, *a, **k: skip(None, *a, **k)))
         yield
 
 
@@ -677,7 +686,7 @@ def at_micro_batch(ta: StepTrace, tb: StepTrace, micro_batch_size: int) -> StepT
 # ----------------------------------------------------------------------------- cache
 
 DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "launcher" / "traces"
-_FORMAT_VERSION = 7  # the tracer's version: bump when the trace's content or file layout changes
+_FORMAT_VERSION = 8  # the tracer's version: bump when the trace's content or file layout changes
 _MEMO: dict[str, StepTrace] = {}
 _ROW_FIELDS = ("nbytes", "alloc", "free", "kind", "ready", "param", "itemsize", "op_class")
 _PARAM_FIELDS = ("numel", "element_size", "trainable", "role", "layer", "tied_to")
