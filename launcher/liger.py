@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from unittest import mock
 
 FAMILIES = ("llama", "mistral", "qwen2")  # Liger 03fd603 monkey_patch.py: these share modules
 _ROWS = 256  # rows per block where a Triton kernel would work row by row in registers
@@ -188,6 +187,8 @@ def applied(model):
     """Run `model` (a transformers causal LM of FAMILIES) with the Liger stand-ins: its RMSNorm
     modules, MLPs and causal-LM forward are replaced on the instance; the modeling module's
     `apply_rotary_pos_emb` is replaced while the context is open (forward and backward)."""
+    from unittest import mock  # imports asyncio: only where a step is traced
+
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     RMSNorm, SiLUMul, Rope, FLCE = _functions()
