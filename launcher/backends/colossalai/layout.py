@@ -306,12 +306,7 @@ def colossalai_memory(traces, strategy, workload, ddp, cai, dp: int, device: str
         layouts = [hybrid_stage0_layout(t, z, bucket_bytes(t, ddp.bucket_cap_mb) if wraps_ddp else [],
                                         bucket_views=ddp.gradient_as_bucket_view)
                    for t in pair]
-    extra: dict = {}
-    if strategy.tp_size > 1:
-        tokens = traces.depth1.micro_batch_size * traces.depth1.seq_len
-        b = tp_extra_bytes(tokens, strategy.tp_size, z.model_bytes, PARALLEL_OUTPUT, 0)
-        extra = {ph: {"activations": b} for ph in ("forward", "backward")}
-        extra["backward"]["activations"] += tp_async_grad_bytes(traces.depth1, strategy.tp_size, z.model_bytes)
+    extra = tp_activation_extra(traces, strategy.tp_size, z.model_bytes)
     if strategy.pp_size > 1:
         extra = _add(extra, pipeline_inflight_bytes(traces, strategy.pp_size, cai))
     notes = (f"ColossalAI {strategy.name}: plugin precision model traced without optimizer"
@@ -491,6 +486,19 @@ def pipeline_stage_layout(trace: StepTrace, z: ZeroSetup, stage: int, pp_size: i
     return layout
 
 
+def tp_activation_extra(traces, tp_size: int, model_bytes: int) -> dict:
+    """Per phase, the activation bytes tensor parallelism adds beside the traced shard: the
+    parallel-output buffers (`tp_extra_bytes`) and, in backward, the LM head's asynchronously
+    all-reduced input gradient (`tp_async_grad_bytes`); {} without tensor parallelism."""
+    if tp_size <= 1:
+        return {}
+    tokens = traces.depth1.micro_batch_size * traces.depth1.seq_len
+    b = tp_extra_bytes(tokens, tp_size, model_bytes, PARALLEL_OUTPUT, 0)
+    extra = {ph: {"activations": b} for ph in ("forward", "backward")}
+    extra["backward"]["activations"] += tp_async_grad_bytes(traces.depth1, tp_size, model_bytes)
+    return extra
+
+
 def pipeline_memory(traces, strategy, workload, cai, dp: int, device: str) -> LayoutSet:
     """cai_pp: one group of ranks per stage (`pipeline_stage_ranks`), each with its own layout
     (`pipeline_stage_layout`), extrapolated to the largest stage's depth."""
@@ -500,12 +508,7 @@ def pipeline_memory(traces, strategy, workload, cai, dp: int, device: str) -> La
     groups = tuple((pipeline_stage_ranks(s, dp, pp, strategy.tp_size),
                     tuple(pipeline_stage_layout(t, z, s, pp, m) for t in (traces.depth1, traces.depth2)))
                    for s in range(pp))
-    extra: dict = {}
-    if strategy.tp_size > 1:
-        tokens = traces.depth1.micro_batch_size * traces.depth1.seq_len
-        b = tp_extra_bytes(tokens, strategy.tp_size, z.model_bytes, PARALLEL_OUTPUT, 0)
-        extra = {ph: {"activations": b} for ph in ("forward", "backward")}
-        extra["backward"]["activations"] += tp_async_grad_bytes(traces.depth1, strategy.tp_size, z.model_bytes)
+    extra = tp_activation_extra(traces, strategy.tp_size, z.model_bytes)
     notes = (f"ColossalAI cai_pp: each of the {pp} stages from the traced step (its parameters, its "
              f"activations, p2p buffers, min(pp - stage, {m}) micro-batches in flight under 1F1B); "
              "launcher/backends/colossalai/layout.py `pipeline_stage_layout`.",)
