@@ -59,3 +59,16 @@ def fully_sharded_comm_s(dp_size: int, bus_gbps: float, param_bytes: float, grad
                  + gather_s + scatter_s
                  - min(ZERO3_OVERLAP_FRACTION * hidden_backward_s, backward_s))
     return (2 * gather_s + scatter_s) * accum, exposed_s * accum
+
+
+def tp_comm_s(strategy, workload, cluster, spec, accum: int, elem: int) -> float:
+    """Tensor-parallel all-reduces per optimizer step: each decoder layer all-reduces b x s x hidden
+    activations twice in forward (the g operators) and twice in backward (the f operators)
+    (Megatron-LM, arXiv:1909.08053 sec. 3), on the intra-node link over tp ranks, not overlapped;
+    each call also pays `collective_latency_s`."""
+    if strategy.tp_size <= 1 or spec is None:
+        return 0.0
+    calls = 4 * spec.num_layers / strategy.pp_size * accum
+    act_bytes = workload.micro_batch_size * workload.seq_len * spec.hidden_size * elem
+    per_call = ring_time_s(act_bytes, strategy.tp_size, cluster.intra_node_bandwidth_gbps, "all_reduce")
+    return calls * (per_call + cluster.collective_latency_s)

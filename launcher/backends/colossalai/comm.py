@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from launcher.backends.base import CommInput, HostEquivalent
 from launcher.backends.colossalai.emit import num_microbatches, overlap
 from launcher.backends.ddp.comm import ddp_reduction_s
-from launcher.collectives import bus_bandwidth_gbps, fully_sharded_comm_s, ring_time_s
+from launcher.collectives import bus_bandwidth_gbps, fully_sharded_comm_s, ring_time_s, tp_comm_s
 from launcher.types import Strategy
 
 
@@ -25,19 +25,6 @@ def colossalai_host_equivalent(strategy: Strategy, cai) -> tuple:
     bucket = int(cai.reduce_bucket_size_in_m * 1024 * 1024)
     return (Strategy(strategy.name, "colossalai", strategy.zero_stage),
             SimpleNamespace(reduce_bucket_size=bucket, allgather_bucket_size=bucket))
-
-
-def tp_comm_s(strategy: Strategy, workload, cluster, spec, accum: int, elem: int) -> float:
-    """Tensor-parallel all-reduces per optimizer step: each decoder layer all-reduces b x s x hidden
-    activations twice in forward (the g operators) and twice in backward (the f operators)
-    (Megatron-LM, arXiv:1909.08053 sec. 3), on the intra-node link over tp ranks, not overlapped;
-    each call also pays `collective_latency_s`."""
-    if strategy.tp_size <= 1 or spec is None:
-        return 0.0
-    calls = 4 * spec.num_layers / strategy.pp_size * accum
-    act_bytes = workload.micro_batch_size * workload.seq_len * spec.hidden_size * elem
-    per_call = ring_time_s(act_bytes, strategy.tp_size, cluster.intra_node_bandwidth_gbps, "all_reduce")
-    return calls * (per_call + cluster.collective_latency_s)
 
 
 def comm(x: CommInput) -> tuple:

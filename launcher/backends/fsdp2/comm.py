@@ -19,7 +19,7 @@ first all-gather of each pass (nothing to hide it) and the root's reduce-scatter
 callback (after the last compute). On CPU processes (gloo) every collective is synchronous:
 nothing overlaps.
 
-Tensor parallelism adds the Megatron all-reduces of each layer (launcher/backends/colossalai/comm.py
+Tensor parallelism adds the Megatron all-reduces of each layer (launcher/collectives.py
 `tp_comm_s`).
 
 CPU host terms (`host_equivalent`): torch DDP's (launcher/host_time.py), whose per-step all-reduce
@@ -33,9 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from launcher.backends.base import CommInput, HostEquivalent
-from launcher.backends.colossalai.comm import tp_comm_s
 from launcher.backends.fsdp2.rules import mixed_precision, model_dtype, reshard_after_forward
-from launcher.collectives import bus_bandwidth_gbps, ring_time_s
+from launcher.collectives import bus_bandwidth_gbps, ring_time_s, tp_comm_s
 from launcher.host_time import _call_s, bus_gbps
 from launcher.memory.common import DTYPE_BYTES
 from launcher.types import Strategy
