@@ -35,6 +35,20 @@ anyway) and a copy of this rank's chunk into `received_grad`, the same result an
 storages as NCCL's reduce-scatter, at twice its traffic; the FSDP2 worker does the same for its
 reduce-scatter (launcher/backends/fsdp2/worker.py `gloo_reduce_scatter`).
 
+The shardformer's own collectives (colossalai/shardformer/layer/_operation.py, loss.py) keep
+running on gloo, but return only once gloo's worker thread has let go of their tensors
+(`_SettledCollectives`). ProcessGroupGloo's `runLoop` resets its reference to a finished work
+(`workInProgress_[i].reset()`) after `AsyncWork::execute` has completed it, so a caller's `wait()`
+can return while the work still holds its tensors. The column-parallel linear's input gradient
+(`LinearWithAsyncCommunication.backward`: `dist.all_reduce(grad_input, async_op=True)`, then
+`handle.wait()`) then outlives the autograd node that frees it, at the backward peak of some runs
+and not of others. NCCL holds no such reference: after `wait()` only the caller's handle keeps the
+tensor (ProcessGroupNCCL.cpp `WorkNCCL::synchronizeStream` unstashes it; the watchdog's copy of
+the work is made without `outputs_`), and the caching allocator stops counting a block when its
+last reference is dropped (`DeviceCachingAllocator::free` decreases `allocated_bytes` before it
+inserts stream events). Waiting for gloo's thread (a spin on the tensors' reference counts, at
+most a second) makes a CPU run hold what a GPU run holds, and allocates nothing.
+
 GeminiPlugin is not made to run: it has no fp32 path on CPU and its bf16 chunk handling fails.
 """
 from __future__ import annotations
@@ -153,6 +167,67 @@ class _InPlaceReduceScatter:
         return None
 
 
+SETTLE_TIMEOUT_S = 1.0
+
+
+def _settle(tensors, counts) -> None:
+    """Wait until each tensor's reference count is back to what it was before the collective
+    (gloo's worker thread has dropped the finished work), at most SETTLE_TIMEOUT_S."""
+    import time
+
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while any(t._use_count() > c for t, c in zip(tensors, counts)) and time.monotonic() < deadline:
+        time.sleep(0)
+
+
+class _SettledWork:
+    """An async collective's handle whose `wait()` also drops the work and settles its tensors."""
+
+    def __init__(self, work, tensors, counts) -> None:
+        self._work, self._tensors, self._counts = work, tensors, counts
+
+    def wait(self, *args, **kwargs):
+        if self._work is not None:
+            done = self._work.wait(*args, **kwargs)
+            self._work = None
+            _settle(self._tensors, self._counts)
+            return done
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+
+class _SettledCollectives:
+    """`torch.distributed` as the shardformer's layer modules see it (their module global `dist`),
+    with all_reduce, all_gather and reduce_scatter returning (or, async, waiting) only after gloo's
+    worker thread has released their tensors (see the module docstring)."""
+
+    NAMES = ("all_reduce", "all_gather", "reduce_scatter")
+
+    def __init__(self, dist) -> None:
+        self._dist = dist
+        setattr(self, _MARK, True)
+
+    def __getattr__(self, name):
+        attribute = getattr(self._dist, name)
+        return self._settled(attribute) if name in self.NAMES else attribute
+
+    @staticmethod
+    def _settled(collective):
+        def call(*args, **kwargs):
+            tensors = [t for a in (*args, *kwargs.values()) for t in (a if isinstance(a, (list, tuple)) else [a])
+                       if hasattr(t, "_use_count")]
+            counts = [t._use_count() for t in tensors]
+            work = collective(*args, **kwargs)
+            if kwargs.get("async_op"):
+                return _SettledWork(work, tensors, counts)
+            _settle(tensors, counts)
+            return work
+
+        return call
+
+
 def _ignoring_cpu(set_device, torch):
     def wrapped(device):
         if isinstance(device, torch.device) and device.type == "cpu" or device == "cpu":
@@ -178,7 +253,7 @@ def _tensors_stay_on_cpu(fn, torch):
 
 def apply() -> list[str]:
     """Patch ColossalAI's CPU accelerator, LowLevelZero's sanity check and its gradient
-    reduce-scatter; returns the names of the replaced accelerator methods. Idempotent."""
+    reduce-scatter, and settle the shardformer's collectives; returns the names of the replaced accelerator methods. Idempotent."""
     import torch
     from colossalai.accelerator.cpu_accelerator import CpuAccelerator
     from colossalai.zero.low_level.low_level_optim import LowLevelZeroOptimizer
@@ -193,6 +268,11 @@ def apply() -> list[str]:
 
     if not getattr(low_level_optim.dist, _MARK, False):
         low_level_optim.dist = _InPlaceReduceScatter(low_level_optim.dist)
+    from colossalai.shardformer.layer import _operation, loss
+
+    for module in (_operation, loss):
+        if not getattr(module.dist, _MARK, False):
+            module.dist = _SettledCollectives(module.dist)
     if not getattr(torch.cuda.set_device, _MARK, False):
         torch.cuda.set_device = _ignoring_cpu(torch.cuda.set_device, torch)
     from colossalai.shardformer.layer import qkv_fused_linear

@@ -235,22 +235,6 @@ def tp_extra_bytes(tokens: int, tp_size: int, model_bytes: int, parallel_output:
     return out
 
 
-def tp_async_grad_bytes(trace: StepTrace, tp_size: int, model_bytes: int) -> int:
-    """A backward-phase tensor a TP rank may hold beyond the traced shard: the column-parallel
-    layers' input gradient (shardformer/layer/_operation.py `LinearWithAsyncCommunication.backward`:
-    `grad_input = grad_output.matmul(weight)`, then `dist.all_reduce(grad_input, async_op=True)`
-    and `handle.wait()`) is also referenced by the process group's work object, which gloo's worker
-    thread drops after it has completed the work (ProcessGroupGloo `runLoop` resets
-    `workInProgress_` after `AsyncWork::execute`). Measured on 2 CPU processes: one micro-batch x
-    seq x hidden tensor (the LM head's input gradient) alive at the backward peak in some runs
-    and steps, not in others; it is counted (an upper bound: one such tensor, the largest a
-    column-parallel layer's input has)."""
-    if tp_size <= 1:
-        return 0
-    hidden = int(trace.params.shapes[int(np.flatnonzero(trace.params.role == Role.EMBEDDING)[0])][-1])
-    return trace.micro_batch_size * trace.seq_len * hidden * model_bytes
-
-
 # ----------------------------------------------------------------------------- dispatch
 
 def trace_request(strategy, workload) -> dict:
@@ -488,15 +472,15 @@ def pipeline_stage_layout(trace: StepTrace, z: ZeroSetup, stage: int, pp_size: i
 
 def tp_activation_extra(traces, tp_size: int, model_bytes: int) -> dict:
     """Per phase, the activation bytes tensor parallelism adds beside the traced shard: the
-    parallel-output buffers (`tp_extra_bytes`) and, in backward, the LM head's asynchronously
-    all-reduced input gradient (`tp_async_grad_bytes`); {} without tensor parallelism."""
+    parallel-output buffers (`tp_extra_bytes`); {} without tensor parallelism. The column-parallel
+    layers' asynchronously all-reduced input gradient adds nothing: after `handle.wait()` NCCL
+    keeps no reference to it (launcher/backends/colossalai/cpu.py, module docstring), so it is
+    freed with its last autograd use, as the traced shard frees it."""
     if tp_size <= 1:
         return {}
     tokens = traces.depth1.micro_batch_size * traces.depth1.seq_len
     b = tp_extra_bytes(tokens, tp_size, model_bytes, PARALLEL_OUTPUT, 0)
-    extra = {ph: {"activations": b} for ph in ("forward", "backward")}
-    extra["backward"]["activations"] += tp_async_grad_bytes(traces.depth1, tp_size, model_bytes)
-    return extra
+    return {ph: {"activations": b} for ph in ("forward", "backward")}
 
 
 def pipeline_memory(traces, strategy, workload, cai, dp: int, device: str) -> LayoutSet:
