@@ -186,7 +186,8 @@ def hybrid_stage0_layout(trace: StepTrace, z: ZeroSetup, ddp_bucket_bytes: list[
     """HybridParallelPlugin zero_stage 0 on the traced shard (hybrid_parallel_plugin.py): fp32 ->
     `HybridParallelNaiveOptimizer` stepping the torch optimizer on the shard's own parameters;
     16-bit -> `HybridParallelAMPOptimizer` (amp/naive_amp/mixed_precision_optimizer.py: an fp32
-    master copy per parameter, gradients cast to fp32 in `step`). Where the plugin wraps the shard in
+    master copy per parameter, gradients cast to fp32 in `step`); both clip with an fp64 norm of each
+    gradient in turn. Where the plugin wraps the shard in
     torch DDP (`hybrid_uses_torch_ddp`) its gradient buckets (`ddp_bucket_bytes`, ddp.py) are added:
     with `bucket_views` (DDP `gradient_as_bucket_view=True`, as emitted) `param.grad` becomes a view
     of its bucket when the gradient is ready (torch/csrc/distributed/c10d/reducer.cpp
@@ -212,6 +213,10 @@ def hybrid_stage0_layout(trace: StepTrace, z: ZeroSetup, ddp_bucket_bytes: list[
     if z.model_bytes != 4:
         layout.add("fp32_master", "optimizer_states", 4 * total)
         layout.add("fp32_grads", "gradients", 4 * total, s0, s2)
+    # the clipping norm before the step (max_norm > 0, the default 1.0): `_compute_grad_norm`
+    # (hybrid_parallel_plugin.py, both optimizers) takes `grad.data.double().norm()` one gradient at
+    # a time, so the largest gradient's fp64 copy is the transient
+    layout.add("grad_norm_double", "gradients", 8 * max(numels, default=0), s0, s1)
     layout.add("optimizer_step_temporaries", "optimizer_states",
                4 * optimizer_step_temp_numel(z.optimizer, numels), s1, s2)
     return layout
