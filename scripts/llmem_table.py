@@ -65,8 +65,9 @@ def main() -> int:
             "512, micro-batch 1 (LLMem, Kim et al., IJCAI 2024, arXiv:2404.10933, sec. 4). Each cell is the "
             "estimated device total per GPU (what nvidia-smi shows: peak reserved + CUDA context + NCCL) of that "
             "method, and whether it fits the GPU with the planner's margin. Tensor-parallel estimates of "
-            "families other than Llama are planned from their sharding rule (`launcher/tp_shard.py`) and are "
-            "estimates only on transformers 5 (ColossalAI 0.5.0's forwards target transformers 4.51); an invalid "
+            "families other than Llama are planned from their sharding rule (`launcher/tp_shard.py`); they run "
+            "ColossalAI 0.5.0's shardformer forwards in the environment with transformers 4.51 that "
+            "`scripts/setup` builds (README \"ColossalAI\"), and are estimate only without it. An invalid "
             "degree says why. The last column is what `python -m launcher model=<model> "
             + " ".join(SETTING) + "` chooses among every strategy.\n\n" + "\n".join(rows) + "\n")
     (ROOT / "docs" / "llmem.md").write_text(text)
