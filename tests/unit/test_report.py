@@ -69,6 +69,16 @@ def test_table_fits_120_columns_one_row_per_strategy(bloom):
     assert "chosen" in chosen_row
 
 
+def test_the_headline_command_plans_bloom_tensor_parallel_at_tp_2_and_4(bloom):
+    """`model=bloom-1b1 gpus=4`: BLOOM's 16 heads and 250,880-entry vocabulary divide by 2 and 4,
+    so ColossalAI tensor parallelism is a candidate at both degrees, with an estimate."""
+    _, run_dir = bloom
+    plan = json.loads((run_dir / "plan.json").read_text())
+    tp = {c["layout"]["tp_size"] for c in plan["candidates"]
+          if c["strategy"] == "cai_tp" and c["memory"]["peak_allocated_bytes"] > 0}
+    assert {2, 4} <= tp, tp
+
+
 def test_short_verdicts_and_wide_report(runs, bloom):
     r, _ = bloom
     assert "largest term" not in r.stdout and "x slower" in r.stdout
