@@ -217,8 +217,11 @@ def expert_parameters(model) -> list:
             for p in module.parameters(recurse=False) if p.dim() == 3]
 
 
-def _dequant_linear():
-    """The stand-in for bitsandbytes' MatMul4Bit (module docstring)."""
+def _dequant_linear(absmax_numel):
+    """The stand-in for bitsandbytes' MatMul4Bit (module docstring). `absmax_numel(weight)`: the fp32
+    block constants that dequantizing a double-quantized weight rebuilds first
+    (bitsandbytes/functional.py `dequantize_4bit`: `absmax = dequantize_blockwise(quant_state.absmax,
+    quant_state.state2); absmax += quant_state.offset`), alive beside the dequantized weight."""
     import torch
 
     class DequantLinear(torch.autograd.Function):
@@ -233,19 +236,32 @@ def _dequant_linear():
         @staticmethod
         def backward(ctx, grad_out):
             (weight,) = ctx.saved_tensors
-            grad_x = torch.matmul(grad_out, weight.clone()) if ctx.needs_input_grad[0] else None
-            return grad_x, None, None
+            if not ctx.needs_input_grad[0]:
+                return None, None, None
+            absmax = weight.new_empty(absmax_numel(weight), dtype=torch.float32)
+            w = weight.clone()  # MatMul4Bit.backward: F.dequantize_4bit(B, ctx.state).to(grad_output.dtype)
+            del absmax
+            return torch.matmul(grad_out, w), None, None
 
     return DequantLinear
 
 
-def qlora_stand_in(linears) -> list:
-    """Replace the forward of each quantizable Linear by the MatMul4Bit stand-in (plus peft's
-    defensive clone); returns their weights, whose storage bytes become 4-bit."""
-    fn = _dequant_linear()
+def qlora_stand_in(linears, settings: LoraSettings) -> list:
+    """Replace the forward of each quantizable Linear by bitsandbytes' `Linear4bit.forward`
+    (bitsandbytes/nn/modules.py: the input cast to the compute dtype, `matmul_4bit`, the result cast
+    back to the input's dtype: an fp32 copy of every base output where
+    `prepare_model_for_kbit_training` made the residual stream fp32) around the MatMul4Bit
+    stand-in, plus peft's defensive clone; returns their weights, whose storage bytes become 4-bit.
+    The compute dtype is the one the settings pass to `Linear4bit` (transformers:
+    `bnb_4bit_compute_dtype`), which keeps `set_compute_type` from replacing it by the input's."""
+    import torch
+
+    compute = getattr(torch, settings.compute_dtype)
+    blocks = (lambda w: -(-w.numel() // QUANT_BLOCKSIZE)) if settings.double_quant else (lambda w: 0)
+    fn = _dequant_linear(blocks)
 
     def forward(module):
-        return lambda x: fn.apply(x, module.weight, module.bias).clone()
+        return lambda x: fn.apply(x.to(compute), module.weight, module.bias).to(x.dtype).clone()
 
     for m in linears:
         m.forward = forward(m)
@@ -335,7 +351,7 @@ def trace_fields(lora: Optional[LoraSettings], adapter_autocast: bool, request: 
 
 # ----------------------------------------------------------------------------- worker
 
-def quantize_base_4bit(model, settings: LoraSettings):
+def quantize_base_4bit(model, settings: LoraSettings, device: str):
     """QLoRA in the worker (CUDA only): every Linear of `quantizable_linears` becomes a
     `bitsandbytes.nn.Linear4bit` holding its weight as `Params4bit` (blocksize 64, the settings'
     quant type and double quantization, compute dtype), quantized when moved to the GPU
@@ -358,4 +374,4 @@ def quantize_base_4bit(model, settings: LoraSettings):
             if child.bias is not None:
                 new.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
             setattr(parent, name, new)
-    return model.to(torch.cuda.current_device())
+    return model.to(torch.cuda.current_device() if device == "cuda" else device)

@@ -376,7 +376,7 @@ def _apply_lora(model, key: TraceKey):
         lp.upcast_non_quantized(model, [m.weight for m in linears] + experts)
     with lp.fake_tensor_adapter_moves():
         model = lp.apply_lora(model, settings, autocast_adapter_dtype=key.adapter_autocast)
-    return model, ([] if gptq else lp.qlora_stand_in(linears) + experts)
+    return model, ([] if gptq else lp.qlora_stand_in(linears, settings) + experts)
 
 
 def _four_bit_rows(nbytes: list, quantized, rec: _Recorder, key: TraceKey) -> None:
@@ -686,7 +686,7 @@ def at_micro_batch(ta: StepTrace, tb: StepTrace, micro_batch_size: int) -> StepT
 # ----------------------------------------------------------------------------- cache
 
 DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "launcher" / "traces"
-_FORMAT_VERSION = 8  # the tracer's version: bump when the trace's content or file layout changes
+_FORMAT_VERSION = 9  # the tracer's version: bump when the trace's content or file layout changes
 _MEMO: dict[str, StepTrace] = {}
 _ROW_FIELDS = ("nbytes", "alloc", "free", "kind", "ready", "param", "itemsize", "op_class")
 _PARAM_FIELDS = ("numel", "element_size", "trainable", "role", "layer", "tied_to")

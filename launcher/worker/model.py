@@ -119,7 +119,7 @@ def apply_peft(model, spec, lora):
     parameter becomes fp32). DeepSpeed casts the whole module to its 16-bit dtype itself, so peft
     keeps the adapters in the model's dtype there."""
     if lora.quant_type is not None:
-        model = quantize_base_4bit(model, lora)
+        model = quantize_base_4bit(model, lora, spec.device)
         if lora.upcast_non_quantized:
             from peft import prepare_model_for_kbit_training
 

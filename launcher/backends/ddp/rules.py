@@ -1,5 +1,7 @@
 """Capability table of torch DDP (`ddp`) and of one unwrapped process (`single`): what the worker
-(launcher/backends/ddp/worker.py, launcher/worker/model.py `precision_plan`) runs."""
+(launcher/backends/ddp/worker.py, launcher/worker/model.py `precision_plan`) runs. QLoRA runs on
+CPU processes too: bitsandbytes (>= 0.45) quantizes `Params4bit` when moved to the CPU and has
+CPU kernels for its 4-bit matmul (bitsandbytes/backends/cpu/ops.py)."""
 from __future__ import annotations
 
 from launcher.backends.base import Rules
@@ -10,11 +12,10 @@ WHY = {
     "16-true": ("torch trains an fp16 model only with a GradScaler, and the scaler refuses fp16 "
                 "gradients (torch/amp/grad_scaler.py unscale_: 'Attempting to unscale FP16 gradients'); "
                 "use precision=16-mixed or bf16-true"),
-    "qlora:cpu": "QLoRA needs GPU quantized kernels (bitsandbytes, auto-gptq); hardware=cpu has none (use peft=lora)",
 }
 DDP = Rules(precisions={"cuda": TORCH_PRECISIONS, "cpu": TORCH_PRECISIONS},
-            peft=frozenset({"none", "lora", "qlora"}), why=WHY)
-SINGLE = Rules(precisions=DDP.precisions, peft=DDP.peft, single_process=True, why=WHY)
+            peft=frozenset({"none", "lora", "qlora"}), peft_devices={"qlora": frozenset({"cuda", "cpu"})}, why=WHY)
+SINGLE = Rules(precisions=DDP.precisions, peft=DDP.peft, peft_devices=DDP.peft_devices, single_process=True, why=WHY)
 
 
 def rules(strategy: Strategy) -> Rules:
