@@ -32,13 +32,7 @@ def test_lora_fine_tunes_through_the_launcher(cli, strategy):
     run = json.loads((run_dir / "run.json").read_text())
     assert run["peft"]["r"] == 8 and run["peft"]["quant_type"] is None
 
-    losses = [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert len(losses) == STEPS and sum(losses[-3:]) < sum(losses[:3]), losses
-
-    summary = json.loads((run_dir / "summary.json").read_text())
-    estimate = chosen["memory"]["peak_allocated_bytes"]
-    for measured in summary["measured_peak_allocated_bytes"]:
-        assert abs(estimate - measured) / measured <= 0.01, (estimate, measured)
+    losses = _trained_within_one_percent(run_dir, chosen)
     _LOSSES[strategy] = losses
     if strategy != "ddp" and "ddp" in _LOSSES:  # the same fp32 adapter update on the same batches
         assert losses == pytest.approx(_LOSSES["ddp"], abs=2e-2)
@@ -60,9 +54,16 @@ def test_qlora_fine_tunes_on_cpu_processes_within_one_percent(cli):
     assert chosen["strategy"] == "ddp" and chosen["trains"] == "adapters"
     run = json.loads((run_dir / "run.json").read_text())
     assert run["peft"]["quant_type"] == "nf4" and run["peft"]["double_quant"] is True
+    _trained_within_one_percent(run_dir, chosen)
+
+
+def _trained_within_one_percent(run_dir, chosen) -> list[float]:
+    """The run's losses (every step logged, the last three below the first three), after checking
+    every rank's measured peak is within 1% of the chosen candidate's estimate."""
     losses = [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == STEPS and sum(losses[-3:]) < sum(losses[:3]), losses
     summary = json.loads((run_dir / "summary.json").read_text())
     estimate = chosen["memory"]["peak_allocated_bytes"]
     for measured in summary["measured_peak_allocated_bytes"]:
         assert abs(estimate - measured) / measured <= 0.01, (estimate, measured)
+    return losses
