@@ -89,14 +89,35 @@ def check_override_syntax(argv: list[str]) -> None:
 
 def check_group_values(argv: list[str]) -> None:
     """A config-group override (model=, hardware=) must name a file of its group; Hydra raises a
-    bare ValueError for some values (e.g. model=null)."""
+    bare ValueError for some values (e.g. model=null). In a sweep (-m) each of its values must."""
+    sweep = "-m" in argv or "--multirun" in argv
     for arg in argv:
         key, _, value = arg.partition("=")
         group = key.lstrip("+~")
-        if (group in GROUPS and value not in group_options(group) and not key.startswith("~")
-                and not value.endswith((".yaml", ".yml"))):
-            raise ConfigError(f"{group}={value}: no such {group}{did_you_mean(value, group_options(group))}; "
-                              f"valid choices: {', '.join(group_options(group))}")
+        if group not in GROUPS or key.startswith("~"):
+            continue
+        for one in sweep_values(arg, group_options(group)) if sweep else [value]:
+            if one not in group_options(group) and not one.endswith((".yaml", ".yml")):
+                raise ConfigError(f"{group}={one}: no such {group}{did_you_mean(one, group_options(group))}; "
+                                  f"valid choices: {', '.join(group_options(group))}")
+
+
+def sweep_values(arg: str, options: list[str]) -> list[str]:
+    """The values a sweep override takes (`model=a,b`, `choice(a,b)`, `glob(tiny-*)`), read by
+    Hydra's own override parser; a plain override is its one value."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        override = OverridesParser.create().parse_override(arg)
+    except Exception as err:  # noqa: BLE001 - Hydra's OverrideParseException and its kin
+        raise ConfigError(f"{arg}: {one_line(err)}") from None
+    from hydra.core.override_parser.types import Glob
+
+    if isinstance(override.value(), Glob):
+        return override.value().filter(options) or [override.get_value_element_as_str()]
+    if override.is_discrete_sweep():
+        return list(override.sweep_string_iterator())
+    return [override.get_value_element_as_str()]
 
 
 def translate_hardware(argv: list[str]) -> list[str]:

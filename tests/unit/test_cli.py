@@ -19,6 +19,7 @@ BAD = [
       "strategy=ddp"], "global_batch_size=6", "divisible"),
     (["model=custom", "model.config_path=/nonexistent/config.json"], "model.config_path", "no such file"),
     (["model=tiny-llama", "gpus=2", "strategy=single", "training.seq_len=128"], "strategy=single", "ddp"),
+    (["-m", "model=tiny-llama,tiny-blom", "gpus=2"], "model=tiny-blom: no such model", "tiny-bloom"),
 ]
 
 
@@ -41,6 +42,22 @@ def test_config_json_that_is_not_a_decoder(cli, tmp_path):
     assert r.returncode == 2
     assert "not a decoder-only causal LM" in r.stderr and "Traceback" not in r.stderr
 
+
+
+def test_a_sweep_over_models_plans_each(cli):
+    """`-m model=a,b` (Hydra's sweep syntax, and its glob) is checked value by value and plans every
+    model in one process."""
+    r = cli("-m", "model=tiny-llama,tiny-bloom", "gpus=2", "hardware=cpu", "training.seq_len=64", "mode=plan",
+            "strategy=ddp")
+    assert r.returncode == 0, r.stderr[-2000:]
+    plans = sorted((cli.cwd / "runs").glob("*/*_sweep/*/plan.json"))
+    assert [json.loads(p.read_text())["model"]["name"] for p in plans] == ["tiny-llama", "tiny-bloom"]
+    from launcher.cli import sweep_values
+
+    options = ["tiny-bloom", "tiny-llama", "gpt2"]
+    assert sweep_values("model=glob(tiny-*)", options) == ["tiny-bloom", "tiny-llama"]
+    assert sweep_values("model=choice(gpt2,tiny-llama)", options) == ["gpt2", "tiny-llama"]
+    assert sweep_values("model=gpt2", options) == ["gpt2"]
 
 
 def test_only_a_sweep_asks_hydra_for_its_mode():
