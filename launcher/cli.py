@@ -106,13 +106,12 @@ def sweep_values(arg: str, options: list[str]) -> list[str]:
     """The values a sweep override takes (`model=a,b`, `choice(a,b)`, `glob(tiny-*)`), read by
     Hydra's own override parser; a plain override is its one value."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Glob
 
     try:
         override = OverridesParser.create().parse_override(arg)
     except Exception as err:  # noqa: BLE001 - Hydra's OverrideParseException and its kin
-        raise ConfigError(f"{arg}: {one_line(err)}") from None
-    from hydra.core.override_parser.types import Glob
-
+        raise ConfigError(f"{arg}: {one_line(str(err))}") from None
     if isinstance(override.value(), Glob):
         return override.value().filter(options) or [override.get_value_element_as_str()]
     if override.is_discrete_sweep():

@@ -253,7 +253,8 @@ def _tensors_stay_on_cpu(fn, torch):
 
 def apply() -> list[str]:
     """Patch ColossalAI's CPU accelerator, LowLevelZero's sanity check and its gradient
-    reduce-scatter, and settle the shardformer's collectives; returns the names of the replaced accelerator methods. Idempotent."""
+    reduce-scatter, and settle the shardformer's collectives; returns the names of the replaced
+    accelerator methods. Idempotent."""
     import torch
     from colossalai.accelerator.cpu_accelerator import CpuAccelerator
     from colossalai.zero.low_level.low_level_optim import LowLevelZeroOptimizer
