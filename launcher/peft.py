@@ -352,10 +352,11 @@ def trace_fields(lora: Optional[LoraSettings], adapter_autocast: bool, request: 
 # ----------------------------------------------------------------------------- worker
 
 def quantize_base_4bit(model, settings: LoraSettings, device: str):
-    """QLoRA in the worker (CUDA only): every Linear of `quantizable_linears` becomes a
+    """QLoRA in the worker: every Linear of `quantizable_linears` becomes a
     `bitsandbytes.nn.Linear4bit` holding its weight as `Params4bit` (blocksize 64, the settings'
-    quant type and double quantization, compute dtype), quantized when moved to the GPU
-    (bitsandbytes/nn/modules.py Params4bit._quantize). The model must be in the compute dtype."""
+    quant type and double quantization, compute dtype), quantized when moved to `device`
+    (bitsandbytes/nn/modules.py Params4bit._quantize; on cpu with bitsandbytes' CPU kernels). The
+    model must be in the compute dtype."""
     import bitsandbytes as bnb
     import torch
 
