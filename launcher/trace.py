@@ -620,6 +620,8 @@ def trace_step(key: TraceKey) -> StepTrace:
         bounds["embedding"] = (marks["forward"], marks["fwd_input"] + 1)
     if "fwd_output" in marks and "forward" in bounds:
         bounds["output"] = (marks["fwd_output"], marks["fwd_output"] + 1)
+    if "bwd0" in marks and "backward" not in bounds:  # no gradient reaches the first layer's input
+        bounds["backward_start"] = (marks["bwd0"], marks["bwd0"] + 1)  # (frozen embeddings: LoRA)
     cuts = ([a for a, _ in phases.values()] + [num_events] + list(ready[ready >= 0])
             + [e for ph in ("forward", "backward") for e in bounds.get(ph, ())])
     return StepTrace(num_layers=key.num_layers, micro_batch_size=key.micro_batch_size,
@@ -686,7 +688,7 @@ def at_micro_batch(ta: StepTrace, tb: StepTrace, micro_batch_size: int) -> StepT
 # ----------------------------------------------------------------------------- cache
 
 DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "launcher" / "traces"
-_FORMAT_VERSION = 9  # the tracer's version: bump when the trace's content or file layout changes
+_FORMAT_VERSION = 10  # the tracer's version: bump when the trace's content or file layout changes
 _MEMO: dict[str, StepTrace] = {}
 _ROW_FIELDS = ("nbytes", "alloc", "free", "kind", "ready", "param", "itemsize", "op_class")
 _PARAM_FIELDS = ("numel", "element_size", "trainable", "role", "layer", "tied_to")

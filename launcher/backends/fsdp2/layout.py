@@ -184,7 +184,9 @@ def block_events(trace: StepTrace) -> tuple[list[int], list[int]]:
 
     Without the traced backward boundaries (LoRA with frozen embeddings: the first block's input
     needs no gradient, so the tracer's 'bwd1' mark never fires) block l's backward ends after its
-    last gradient is ready, and the last block's starts one block period before its end."""
+    last gradient is ready, and the last block's starts where the gradient of its output is
+    computed (`layer_bounds['backward_start']`, where FSDP2's pre-backward hook on the block's
+    outputs runs: _fsdp_state.py `_register_pre_backward_hook`), else one block period before its end."""
     n = trace.num_layers
     f0, f1 = trace.layer_bounds.get("forward", trace.phases["forward"])
     forward = [int(round(f0 + l * (f1 - f0) / n)) for l in range(n + 1)]
@@ -197,7 +199,8 @@ def block_events(trace: StepTrace) -> tuple[list[int], list[int]]:
         if layer >= 0:
             last_ready[layer] = max(last_ready.get(layer, -1), e)
     ends = [last_ready[l] + 1 for l in range(n)]
-    return forward, ends + [ends[n - 1] - (ends[n - 2] - ends[n - 1])]
+    start = trace.layer_bounds.get("backward_start", (ends[n - 1] - (ends[n - 2] - ends[n - 1]),))[0]
+    return forward, ends + [start]
 
 
 def fsdp2_layout(trace: StepTrace, s: FSDP2Setup) -> FSDP2Layout:
