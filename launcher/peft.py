@@ -42,6 +42,9 @@ class LoraSettings:
     # QLoRA: peft.prepare_model_for_kbit_training casts every 16-bit parameter that is not 4-bit to fp32
     upcast_non_quantized: bool = True
     gptq_group_size: int = 128  # quant_type gptq_*: the checkpoint's group size (launcher/gptq.py)
+    # QLoRA: the dtype the packed 4-bit weights are stored as (bitsandbytes quant_storage); None = uint8.
+    # Sharded QLoRA stores them in the compute dtype so FSDP shards them (backends/fsdp2/rules.py)
+    quant_storage: Optional[str] = None
 
     @property
     def method(self) -> str:
@@ -356,11 +359,14 @@ def quantize_base_4bit(model, settings: LoraSettings, device: str):
     `bitsandbytes.nn.Linear4bit` holding its weight as `Params4bit` (blocksize 64, the settings'
     quant type and double quantization, compute dtype), quantized when moved to `device`
     (bitsandbytes/nn/modules.py Params4bit._quantize; on cpu with bitsandbytes' CPU kernels). The
-    model must be in the compute dtype."""
+    model must be in the compute dtype. With `quant_storage` the packed weight is stored as that
+    dtype, and each Params4bit names its module, which keeps the `QuantState` when FSDP swaps the
+    parameter for a plain tensor (Linear4bit.forward `fix_4bit_weight_quant_state_from_module`)."""
     import bitsandbytes as bnb
     import torch
 
     dtype = getattr(torch, settings.compute_dtype)
+    storage = getattr(torch, settings.quant_storage) if settings.quant_storage else torch.uint8
     targets = {id(m) for m in quantizable_linears(model)}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -368,10 +374,11 @@ def quantize_base_4bit(model, settings: LoraSettings, device: str):
                 continue
             new = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
                                     compute_dtype=dtype, compress_statistics=settings.double_quant,
-                                    quant_type=settings.quant_type, device="meta")
+                                    quant_type=settings.quant_type, quant_storage=storage, device="meta")
             new.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False,
                                            compress_statistics=settings.double_quant,
-                                           quant_type=settings.quant_type, blocksize=QUANT_BLOCKSIZE)
+                                           quant_type=settings.quant_type, blocksize=QUANT_BLOCKSIZE,
+                                           quant_storage=storage, module=new)
             if child.bias is not None:
                 new.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
             setattr(parent, name, new)

@@ -185,7 +185,8 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
     dp = cluster.num_gpus // (strategy.tp_size * strategy.pp_size)
     variant = variant or TrainingVariant("full", None, config.training.gradient_checkpointing)
     wl = replace(workload(config, spec, micro), gradient_checkpointing=variant.gradient_checkpointing)
-    traces = traced(config, spec, strategy, wl, variant.lora)
+    lora = backend_of(strategy).peft_of(strategy, variant.lora)
+    traces = traced(config, spec, strategy, wl, lora)
     replay_memo = replay_memo if replay_memo is not None else ReplayMemo.shared(config.cache_dir)
     numbers = model_numbers(traces)
     accum = grad_accum(config, micro, dp)
@@ -194,7 +195,7 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
     knobs = registry.knobs(config)
     mem = memory_model.estimate(traces, strategy, wl, cluster, knobs, dp, attention_workspace(spec, strategy, wl),
                                 replay_memo=replay_memo)
-    mem = replace(mem, notes=tuple(mem.notes) + trace.trace_notes(trace_key(spec, strategy, wl, variant.lora)))
+    mem = replace(mem, notes=tuple(mem.notes) + trace.trace_notes(trace_key(spec, strategy, wl, lora)))
     flops = {k: traces.at_depth(lambda t, k=k: t.flops.get(k, 0.0))
              for k in ("forward", "backward", "attention_forward", "attention_backward")}
     spd = speed.estimate_speed(flops, strategy, wl, cluster, num_params=numbers["num_params"],
@@ -212,7 +213,7 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
     else:
         reason = "fits"
     return Candidate(strategy, micro, accum, mem, spd, fits_device and fits_host, reason, trains=variant.trains,
-                     peft=variant.lora.to_dict() if variant.lora else None,
+                     peft=lora.to_dict() if lora else None,
                      gradient_checkpointing=variant.gradient_checkpointing,
                      num_trainable_params=numbers["num_trainable_params"]), numbers
 
@@ -331,7 +332,7 @@ def prefetch(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env
             continue
         for micro in micro_batch_sizes(config, cluster.num_gpus // (strategy.tp_size * strategy.pp_size))[:3]:
             wl = replace(workload(config, spec, micro), gradient_checkpointing=variant.gradient_checkpointing)
-            keys.append(trace_key(spec, strategy, wl, variant.lora))
+            keys.append(trace_key(spec, strategy, wl, backend_of(strategy).peft_of(strategy, variant.lora)))
     trace.prefetch(keys, spec.num_layers, config.cache_dir)
 
 

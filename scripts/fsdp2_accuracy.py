@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 BEGIN, END = "<!-- fsdp2-accuracy:begin -->", "<!-- fsdp2-accuracy:end -->"
 UNEVEN = ("model.hf_config.vocab_size=321", "model.hf_config.intermediate_size=175")
 LORA = ("peft.method=lora",)
+QLORA = ("peft=qlora",)  # sharded QLoRA: NF4 stored as bf16, double quantization, r=16 (conf/peft/qlora.yaml)
 NO_SDPA = {"tiny-bloom", "small-bloom"}
 # (model, strategy, precision, gradient checkpointing, extra overrides, note)
 CELLS = [
@@ -48,6 +49,13 @@ CELLS = [
     ("small-llama", "fsdp2", "bf16-mixed", True, (), ""),
     ("small-llama", "fsdp2_tp", "bf16-mixed", False, (), "dp 1 x tp 2"),
     ("small-llama", "fsdp2_tp", "32-true", False, (), "dp 1 x tp 2"),
+    ("tiny-bloom", "fsdp2", "bf16-mixed", False, LORA, "LoRA r=8"),
+    ("tiny-llama", "fsdp2", "bf16-mixed", False, QLORA, "QLoRA"),
+    ("tiny-llama", "fsdp2", "bf16-mixed", True, QLORA, "QLoRA"),
+    ("tiny-bloom", "fsdp2", "bf16-mixed", False, QLORA, "QLoRA"),
+    ("small-llama", "fsdp2", "bf16-mixed", False, QLORA, "QLoRA"),
+    ("small-llama", "fsdp2_grad_op", "bf16-mixed", False, QLORA, "QLoRA"),
+    ("small-llama", "fsdp2", "bf16-mixed", True, QLORA, "QLoRA"),
 ]
 SEQ_LEN, MICRO = 128, 2
 

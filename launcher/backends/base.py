@@ -108,6 +108,8 @@ class Backend:
       launcher's own (launcher/launch.py `worker_python`).
     - `attention(strategy, model_type, planned)`: the attention implementation its ranks run when
       the framework replaces the model's attention (None: the planned one).
+    - `peft_settings(strategy, lora)`: the `launcher.peft.LoraSettings` its ranks run for the asked
+      ones, traced and written to run.json (None: as asked).
     """
 
     name: str
@@ -131,10 +133,15 @@ class Backend:
     to_neutral: Optional[str] = None  # 'module:function' writing its checkpoint in torch's form; None: it is already
     interpreter: Optional[Callable[[Strategy], Optional[str]]] = None  # the ranks' Python; None: the launcher's
     attention: Optional[Callable[[Strategy, str, str], str]] = None  # (strategy, model_type, planned) -> what runs
+    peft_settings: Optional[Callable[[Strategy, Any], Any]] = None  # (strategy, LoraSettings) -> what its ranks run
 
     def attention_of(self, strategy: Strategy, model_type: str, planned: str) -> str:
         """The attention implementation `strategy`'s ranks run for `planned` (what the estimate traces)."""
         return self.attention(strategy, model_type, planned) if self.attention else planned
+
+    def peft_of(self, strategy: Strategy, lora):
+        """The LoRA/QLoRA settings `strategy`'s ranks run for the asked `lora` (None: full fine-tuning)."""
+        return self.peft_settings(strategy, lora) if self.peft_settings and lora is not None else lora
 
     def refusal(self, strategy: Strategy, ask: Ask) -> str:
         """Why `strategy` cannot run `ask`: the capability table first, then the backend's own rule."""

@@ -4,7 +4,9 @@ within 1% of the peak of live tensor bytes the allocation tracker measures in th
 (321) and MLP width (175) that 2 ranks do not divide: the ranks' unpadded shards, hence their
 optimizer states and peaks, differ, and each rank's estimate follows its own. The LoRA cell is a
 BLOOM whose LM head and loss backward outlast a block's: its last block unshards only when the
-gradient reaches its output (it read +5.7% while that was placed one block period before the end)."""
+gradient reaches its output (it read +5.7% while that was placed one block period before the end).
+The QLoRA cell is sharded QLoRA on the same BLOOM: 4-bit weights stored as bf16 and sharded,
+their quantization states replicated, the rest of the base bf16, the fp32 adapters gathered in bf16."""
 import json
 
 import pytest
@@ -13,10 +15,11 @@ pytestmark = pytest.mark.integration
 
 BOUND_PERCENT = 1.0
 UNEVEN = ("model.hf_config.vocab_size=321", "model.hf_config.intermediate_size=175")
-LORA = ("peft=lora",)
+LORA, QLORA = ("peft=lora",), ("peft=qlora",)
 # (model, strategy, precision, gradient checkpointing, overrides)
 CELLS = [("tiny-llama", "fsdp2", "bf16-mixed", False, UNEVEN), ("tiny-llama", "fsdp2_tp", "32-true", False, ()),
-         ("tiny-llama", "fsdp2_grad_op", "32-true", True, ()), ("tiny-bloom", "fsdp2", "bf16-mixed", False, LORA)]
+         ("tiny-llama", "fsdp2_grad_op", "32-true", True, ()), ("tiny-bloom", "fsdp2", "bf16-mixed", False, LORA),
+         ("tiny-bloom", "fsdp2", "bf16-mixed", False, QLORA)]
 
 
 @pytest.mark.parametrize("model,strategy,precision,ckpt,extra", CELLS,
@@ -43,5 +46,7 @@ def test_fsdp2_measured_peak_matches_estimate(cli, model, strategy, precision, c
     plan = json.loads((run_dir / "plan.json").read_text())
     chosen = plan["candidates"][plan["chosen"]]
     assert chosen["strategy"] == strategy
+    if extra == QLORA:
+        assert chosen["peft"]["quant_storage"] == "bfloat16" and chosen["peft"]["upcast_non_quantized"] is False
     assert json.loads((run_dir / "fsdp2_plan.json").read_text())["mesh"] == (
         {"dp": 1, "tp": 2} if strategy == "fsdp2_tp" else {"dp": 2})

@@ -83,6 +83,70 @@ def test_shards_match_fully_shard_on_an_uneven_model():
     assert real[0][1] != real[1][1]  # the ranks differ
 
 
+QLORA_SHARDS = r"""
+import json, torch, torch.distributed as dist, warnings
+warnings.filterwarnings("ignore")
+from torch.distributed.fsdp import fully_shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from transformers import LlamaConfig, LlamaForCausalLM
+from launcher.peft import LoraSettings, apply_lora, quantize_base_4bit
+out = []
+for rank in range(2):
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=321)).to(torch.bfloat16)
+    lora = LoraSettings(r=4, alpha=8, dropout=0.0, quant_type="nf4", double_quant=True, compute_dtype="bfloat16",
+                        upcast_non_quantized=False, quant_storage="bfloat16")
+    m = apply_lora(quantize_base_4bit(m, lora, "cpu"), lora)
+    state, seen = 0, set()
+    for mod in m.modules():  # peft's LoRA wrapper shows its base layer's weight again: count each once
+        qs = getattr(getattr(mod, "weight", None), "quant_state", None)
+        if qs is not None and id(qs) not in seen:
+            seen.add(id(qs))
+            state += qs.absmax.nbytes + qs.code.nbytes
+            if qs.nested:
+                state += qs.state2.absmax.nbytes + qs.state2.code.nbytes + qs.offset.nbytes
+    layers = m.base_model.model.model.layers
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(m)
+    sharded = 0
+    for module in [*layers, m]:
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            for p in group.fsdp_params:
+                sharded += p._sharded_param_data.numel() * p._sharded_param_data.element_size()
+    out.append([sharded, state])
+    dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+def test_sharded_qlora_matches_fully_shard():
+    """Sharded QLoRA: what fully_shard keeps per rank (the padded shards of the bf16-stored 4-bit
+    weights, of the bf16 base and of the fp32 adapters) and what bitsandbytes keeps outside them
+    (each weight's QuantState), on a fake 2-rank process group, against the FSDP2 layout's
+    `sharded_params` and `quant_state` terms on the traced QLoRA step."""
+    from launcher import trace
+    from launcher.backends.fsdp2.layout import four_bit_params, fsdp2_layout, setup
+    from launcher.types import Workload
+
+    real = json.loads(subprocess.run([sys.executable, "-c", QLORA_SHARDS], capture_output=True, text=True, check=True,
+                                     env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout.splitlines()[-1])
+    key = trace.TraceKey(hf_config_json=trace.canonical_config_json(dict(
+        model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=321, max_position_embeddings=512)), num_layers=2, micro_batch_size=1,
+        seq_len=8, param_dtype="bfloat16", optimizer="none", trainable="lora", lora_r=4, lora_alpha=8,
+        quant_type="nf4", double_quant=True, adapter_autocast=False)
+    t = trace.trace_step(key)
+    assert four_bit_params(t)
+    wl = Workload(seq_len=8, micro_batch_size=1, precision="bf16-mixed", optimizer="adamw_torch",
+                  gradient_checkpointing=False, attn_implementation="sdpa")
+    for rank, (sharded, state) in enumerate(real):
+        terms = {term.name: term.nbytes for term in fsdp2_layout(t, setup(STRATEGIES["fsdp2"], wl, 2, rank, True)).terms}
+        assert (terms["sharded_params"], terms["quant_state"]) == (sharded, state)
+
+
 def _spec(strategy: str, precision: str, world: int, **kw):
     return SimpleNamespace(framework_config=plan_config(STRATEGIES[strategy], precision, world), backend="fsdp2",
                            strategy=strategy, precision=precision, optimizer=kw.get("optimizer", "adamw_torch"),
@@ -119,8 +183,10 @@ def test_rules_name_the_problem():
     assert "same memory" in refusal("fsdp2_offload", device="cpu")
     assert "tensor-parallel plan" in refusal("fsdp2_tp", peft="lora")
     assert "does not divide 5" in refusal("fsdp2_tp", num_processes=5)
-    assert "QLoRA" in refusal("fsdp2", peft="qlora")
+    assert "QLoRA" in refusal("fsdp2_offload", peft="qlora") and "QLoRA" in refusal("fsdp2_tp", peft="qlora")
+    assert "training.precision=bf16-mixed" in refusal("fsdp2", peft="qlora", precision="bf16-true")
     assert refusal("fsdp2_tp") == "" and refusal("fsdp2", peft="lora") == ""
+    assert refusal("fsdp2", peft="qlora") == "" and refusal("fsdp2", peft="qlora", device="cpu") == ""
 
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "fsdp2_tp"])

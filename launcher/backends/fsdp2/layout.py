@@ -69,11 +69,36 @@ class FSDP2Setup:
     cast: bool  # a MixedPrecisionPolicy param_dtype differs from the sharded dtype
     optimizer: str = "adamw_torch"
     offload: bool = False  # CPUOffloadPolicy: shards, sharded gradients and the step on the host
+    frozen_bytes: int = 0  # bytes per element of frozen parameters' shards; 0: shard_bytes (sharded QLoRA: compute)
 
 
-def _shape(trace: StepTrace, i: int) -> tuple:
+def _shape(trace: StepTrace, i: int, four_bit: dict | None = None) -> tuple:
+    """Parameter i's shape as fully_shard sees it: a 4-bit weight is its packed bytes stored as
+    compute-dtype elements, shape (n, 1) (bitsandbytes `quantize_4bit` with `quant_storage`)."""
     p = trace.params
+    if four_bit and i in four_bit:
+        return (four_bit[i][0] // int(p.element_size[i]), 1)
     return tuple(p.shapes[i]) if p.shapes else (int(p.numel[i]),)
+
+
+def four_bit_params(trace: StepTrace) -> dict:
+    """{parameter index: (packed weight bytes, quantization-state bytes)} of the 4-bit base weights
+    of a QLoRA trace: the tracer replaced each one's storage bytes by its bitsandbytes layout
+    (trace.py `_four_bit_rows`, launcher/quant.py), fewer than its elements in the compute dtype.
+    The packed weight is two 4-bit codes per byte (`four_bit_weight_bytes` packed_weight_bytes);
+    the rest (absmax, double-quantization constants, code tables) is the weight's `QuantState`,
+    which bitsandbytes keeps as attributes of the parameter and its module, outside FSDP2's shards."""
+    p, out = trace.params, {}
+    rows = np.nonzero(trace.kind == Kind.PARAM)[0]
+    for row in rows:
+        i = int(trace.param[row])
+        if i < 0 or p.trainable[i]:
+            continue
+        stored, full = int(trace.nbytes[row]), int(p.numel[i]) * int(p.element_size[i])
+        if stored < full:
+            packed = (int(p.numel[i]) + 1) // 2
+            out[i] = (packed, stored - packed)
+    return out
 
 
 def chunk_numels(shape: tuple, world: int) -> tuple[int, list[int]]:
@@ -96,23 +121,37 @@ class Group:
     numels: list = field(default_factory=list)  # per parameter padded shard numel
     trainable_padded: int = 0  # padded shard numel of the parameters with gradients (reduce-scatter)
     trainable_local: list = field(default_factory=list)  # unpadded, of the trainable ones (optimizer states)
+    frozen_padded: int = 0  # padded shard numel of the frozen parameters
+    cast_numels: list = field(default_factory=list)  # padded shard numel of each parameter cast to the param dtype
 
 
-def groups(trace: StepTrace, world: int) -> dict:
-    """layer -> Group over the distinct parameters (tied copies once), root = -1."""
+def groups(trace: StepTrace, world: int, s: FSDP2Setup | None = None) -> dict:
+    """layer -> Group over the distinct parameters (tied copies once), root = -1. With a setup
+    whose frozen parameters keep another dtype than the trainable ones (sharded QLoRA), only the
+    parameters whose shard dtype differs from the compute dtype are cast (`cast_numels`)."""
     out: dict = {}
+    four_bit = four_bit_params(trace)
     for i in distinct_params(trace):
         layer = int(trace.params.layer[i])
         g = out.setdefault(layer, Group(layer, local=[0] * world, trainable_local=[0] * world))
-        padded, local = chunk_numels(_shape(trace, i), world)
+        padded, local = chunk_numels(_shape(trace, i, four_bit), world)
         g.params.append(i)
         g.padded_shard += padded
         g.numels.append(padded)
         g.local = [a + b for a, b in zip(g.local, local)]
-        if trace.params.trainable[i]:  # frozen ones (LoRA's base) are gathered, never reduced
+        trainable = bool(trace.params.trainable[i])
+        if trainable:  # frozen ones (LoRA's base) are gathered, never reduced
             g.trainable_padded += padded
             g.trainable_local = [a + b for a, b in zip(g.trainable_local, local)]
+        else:
+            g.frozen_padded += padded
+        if s is not None and s.cast and (trainable or _frozen_bytes(s) != s.compute_bytes):
+            g.cast_numels.append(padded)
     return out
+
+
+def _frozen_bytes(s: FSDP2Setup) -> int:
+    return s.frozen_bytes or s.shard_bytes
 
 
 @dataclass
@@ -206,7 +245,7 @@ def block_events(trace: StepTrace) -> tuple[list[int], list[int]]:
 def fsdp2_layout(trace: StepTrace, s: FSDP2Setup) -> FSDP2Layout:
     """This rank's storages under FSDP2 on the traced (shallow) model (module docstring)."""
     n, W, r = trace.num_layers, s.world, s.rank
-    gs = groups(trace, W)
+    gs = groups(trace, W, s)
     root = gs.get(ROOT, Group(ROOT, local=[0] * W))
     blocks = [gs.get(l, Group(l, local=[0] * W)) for l in range(n)]
     F, B = block_events(trace)
@@ -233,18 +272,22 @@ def fsdp2_layout(trace: StepTrace, s: FSDP2Setup) -> FSDP2Layout:
         cast, all kept in `param_all_gather_inputs` until the copy-in."""
         if s.offload:
             return g.padded_shard * cb + (max(g.numels, default=0) * sb if s.cast else 0)
-        if not s.cast:
+        if not g.cast_numels:
             return 0
         if W > 1:
-            return g.padded_shard * cb
-        pairs = [a + b for a, b in zip(g.numels, g.numels[1:])] or g.numels
+            return sum(g.cast_numels) * cb
+        pairs = [a + b for a, b in zip(g.cast_numels, g.cast_numels[1:])] or g.cast_numels
         return max(pairs, default=0) * cb
 
     # persistent: sharded parameters (padded) and optimizer states (unpadded local chunks of the
     # trainable parameters); in host memory under CPUOffloadPolicy (_fsdp_param.py
     # `_init_sharded_param`: `padded_sharded_param.cpu()`, pinned; the optimizer steps them there)
-    total_padded = sum(g.padded_shard for g in gs.values())
-    lay.add("sharded_params", "parameters", total_padded * sb, host=s.offload)
+    trainable_padded = sum(g.trainable_padded for g in gs.values())
+    frozen_padded = sum(g.frozen_padded for g in gs.values())
+    lay.add("sharded_params", "parameters", trainable_padded * sb + frozen_padded * _frozen_bytes(s), host=s.offload)
+    quant_state = sum(q for _, q in four_bit_params(trace).values())
+    if quant_state:  # replicated on every rank, outside the shards (`four_bit_params`)
+        lay.add("quant_state", "parameters", quant_state)
     local = sum(g.trainable_local[r] for g in gs.values())
     trainable = [i for i in distinct_params(trace) if trace.params.trainable[i]]
     if s.optimizer != "sgd":
@@ -341,6 +384,13 @@ NOTES = (
 )
 
 
+QLORA_NOTE = (
+    "Sharded QLoRA: the 4-bit weights are stored as bf16 elements (bitsandbytes quant_storage) and "
+    "sharded, gathered and freed like the other frozen bf16 parameters; their quantization states "
+    "(absmax, double-quantization constants) are replicated on every rank; the fp32 adapters are "
+    "gathered in bf16 (launcher/backends/fsdp2/layout.py `four_bit_params`).")
+
+
 def trace_request(strategy: Strategy, workload) -> dict:
     """The `TraceKey` fields: the model in the dtype FSDP2 computes in (the MixedPrecisionPolicy
     param_dtype, else the model's dtype), no autocast (FSDP2 casts parameters, not ops), no traced
@@ -352,14 +402,18 @@ def trace_request(strategy: Strategy, workload) -> dict:
     return out
 
 
-def setup(strategy: Strategy, workload, dp: int, rank: int) -> FSDP2Setup:
+def setup(strategy: Strategy, workload, dp: int, rank: int, sharded_qlora: bool = False) -> FSDP2Setup:
+    """`sharded_qlora`: the base is built in the compute dtype and not upcast (rules.py
+    `peft_settings`), so its frozen parameters are sharded, gathered and computed in that dtype;
+    the adapters are fp32 (peft's autocast_adapter_dtype) and cast like any parameter."""
     mp = mixed_precision(workload.precision)
     shard = model_dtype(workload.precision)
     compute = mp["param_dtype"] or shard
     return FSDP2Setup(world=dp, rank=rank, reshard_after_forward=reshard_after_forward(strategy),
                       compute_bytes=DTYPE_BYTES[compute], shard_bytes=DTYPE_BYTES[shard],
                       reduce_bytes=DTYPE_BYTES[mp["reduce_dtype"] or compute], cast=compute != shard,
-                      optimizer=workload.optimizer, offload=strategy.offload_params)
+                      optimizer=workload.optimizer, offload=strategy.offload_params,
+                      frozen_bytes=DTYPE_BYTES[compute] if sharded_qlora else 0)
 
 
 def memory(traces, strategy: Strategy, workload, knobs, dp: int, device: str) -> LayoutSet:
@@ -370,7 +424,8 @@ def memory(traces, strategy: Strategy, workload, knobs, dp: int, device: str) ->
     for rank in range(dp):
         key = tuple(tuple(g.trainable_local[rank] for g in groups(t, dp).values()) for t in depths)
         keyed.setdefault(key, []).append(rank)
+    qlora = bool(four_bit_params(traces.depth1))
     out = tuple((tuple(ranks) if len(keyed) > 1 else (),
-                 tuple(fsdp2_layout(t, setup(strategy, workload, dp, ranks[0])) for t in depths))
+                 tuple(fsdp2_layout(t, setup(strategy, workload, dp, ranks[0], qlora)) for t in depths))
                 for ranks in keyed.values())
-    return LayoutSet(groups=out, traces=traces, notes=NOTES)
+    return LayoutSet(groups=out, traces=traces, notes=NOTES + (QLORA_NOTE,) * qlora)

@@ -35,11 +35,12 @@ TP_FAMILIES = ("llama", "mistral", "qwen2")  # the plan in tp_plan.py names thes
 WHY = {
     "16-mixed": "fp16 under FSDP2 needs a sharded gradient scaler the worker does not run; use bf16-mixed",
     "16-true": "fp16 under FSDP2 needs a sharded gradient scaler the worker does not run; use bf16-true",
-    "qlora": "QLoRA's 4-bit base is not sharded by fully_shard here; use strategy=ddp",
+    "qlora": "QLoRA's 4-bit base is sharded by fsdp2 only, not with CPU offload or tensor parallelism; use strategy=fsdp2",
     "cpu": "CPUOffloadPolicy moves shards and the optimizer step to the host; on CPU processes that is the same memory",
 }
 FSDP2 = Rules(precisions={"cuda": PRECISIONS, "cpu": PRECISIONS}, optimizers=OPTIMIZERS,
-              peft=frozenset({"none", "lora"}), why=WHY)
+              peft=frozenset({"none", "lora", "qlora"}), peft_devices={"qlora": frozenset({"cuda", "cpu"})}, why=WHY)
+QLORA_PRECISION = "bf16-mixed"
 OFFLOAD = Rules(precisions={"cuda": PRECISIONS}, optimizers=OPTIMIZERS, peft=frozenset({"none", "lora"}), why=WHY)
 TP = Rules(precisions={"cuda": PRECISIONS, "cpu": PRECISIONS}, optimizers=OPTIMIZERS, peft=frozenset({"none"}),
            why={**WHY, "lora": "LoRA adapters are not in fsdp2_tp's tensor-parallel plan; use fsdp2"})
@@ -52,10 +53,26 @@ def rules(strategy: Strategy) -> Rules:
 
 
 def problem(strategy: Strategy, ask: Ask) -> str:
-    """The 2D mesh must cover the processes: tp_size divides them."""
+    """The 2D mesh must cover the processes: tp_size divides them. Sharded QLoRA runs under
+    bf16-mixed only: its MixedPrecisionPolicy gathers the fp32 adapters in bf16 (what is traced)
+    and leaves the bf16-stored 4-bit weights uncast."""
     if strategy.tp_size > 1 and ask.num_processes % strategy.tp_size:
         return f"{strategy.name}: tp_size={strategy.tp_size} does not divide {ask.num_processes} processes"
+    if ask.peft == "qlora" and ask.precision != QLORA_PRECISION:
+        return (f"strategy={strategy.name} trains QLoRA with training.precision={QLORA_PRECISION} only (the fp32 "
+                f"adapters gathered in bf16, the bf16-stored 4-bit weights uncast); use training.precision={QLORA_PRECISION}")
     return ""
+
+
+def peft_settings(strategy: Strategy, lora):
+    """Sharded QLoRA as PEFT's FSDP-QLoRA guide and TRL run it: the 4-bit weights are stored in the
+    compute dtype (bitsandbytes `quant_storage`, bitsandbytes/nn/modules.py Params4bit), so
+    fully_shard shards them as it shards any parameter of that dtype, and
+    `prepare_model_for_kbit_training` is not run (trl SFTTrainer `_prepare_peft_model`: never with
+    QLoRA + FSDP), so the rest of the base stays in the compute dtype. Other settings: unchanged."""
+    if lora is None or lora.quant_type is None:
+        return lora
+    return replace(lora, quant_storage=lora.compute_dtype, upcast_non_quantized=False)
 
 
 def reshard_after_forward(strategy: Strategy) -> bool:
