@@ -152,7 +152,7 @@ def traced(config: LauncherConfig, spec: ModelSpec, strategy: Strategy, wl: Work
 def trace_key(spec: ModelSpec, strategy: Strategy, wl: Workload, lora=None):
     """The `TraceKey` of the step this strategy's memory model needs."""
     request = memory_model.trace_request(strategy, wl)
-    request.update(trace_fields(lora, backend_of(strategy).adapter_autocast, request))
+    request.update(trace_fields(lora, backend_of(strategy).adapter_autocast_of(wl.precision), request))
     return trace.TraceKey(hf_config_json=trace.canonical_config_json(spec.hf_config),
                           num_layers=spec.num_layers, micro_batch_size=wl.micro_batch_size,
                           seq_len=wl.seq_len,

@@ -50,6 +50,7 @@ CELLS = [
     ("small-llama", "fsdp2_tp", "bf16-mixed", False, (), "dp 1 x tp 2"),
     ("small-llama", "fsdp2_tp", "32-true", False, (), "dp 1 x tp 2"),
     ("tiny-bloom", "fsdp2", "bf16-mixed", False, LORA, "LoRA r=8"),
+    ("small-llama", "fsdp2", "bf16-true", False, LORA, "LoRA r=8: fp32 adapters, no MixedPrecisionPolicy"),
     ("tiny-llama", "fsdp2", "bf16-mixed", False, QLORA, "QLoRA"),
     ("tiny-llama", "fsdp2", "bf16-mixed", True, QLORA, "QLoRA"),
     ("tiny-bloom", "fsdp2", "bf16-mixed", False, QLORA, "QLoRA"),

@@ -127,7 +127,8 @@ class Backend:
     knobs: tuple = ()
     expand: Optional[Callable[..., list]] = None  # (template, config, spec) -> its layouts over TP/PP degrees
     grad_accum: Optional[Callable[..., int]] = None
-    adapter_autocast: bool = True  # LoRA adapters stay fp32 under peft's autocast; False: the framework casts them
+    # LoRA adapters stay fp32 under peft's autocast; False: the framework casts them; or precision -> either
+    adapter_autocast: Any = True
     launch_problem: Optional[Callable[..., str]] = None
     exports: Optional[Callable[..., tuple]] = None  # (plan, config) -> ([(file name, text)], launch_commands.sh line)  # (strategy, spec) -> why a fitting plan cannot run here  # (strategy, config, accumulation) -> the step's micro-batches
     to_neutral: Optional[str] = None  # 'module:function' writing its checkpoint in torch's form; None: it is already
@@ -138,6 +139,11 @@ class Backend:
     def attention_of(self, strategy: Strategy, model_type: str, planned: str) -> str:
         """The attention implementation `strategy`'s ranks run for `planned` (what the estimate traces)."""
         return self.attention(strategy, model_type, planned) if self.attention else planned
+
+    def adapter_autocast_of(self, precision: str) -> bool:
+        """Whether peft's fp32 adapters (on a 16-bit base) compute in fp32 under `precision`."""
+        a = self.adapter_autocast
+        return bool(a(precision) if callable(a) else a)
 
     def peft_of(self, strategy: Strategy, lora):
         """The LoRA/QLoRA settings `strategy`'s ranks run for the asked `lora` (None: full fine-tuning)."""

@@ -5,7 +5,8 @@ within 1% of the peak of live tensor bytes the allocation tracker measures in th
 optimizer states and peaks, differ, and each rank's estimate follows its own. The LoRA cell is a
 BLOOM whose LM head and loss backward outlast a block's: its last block unshards only when the
 gradient reaches its output (it read +5.7% while that was placed one block period before the end).
-The QLoRA cell is sharded QLoRA on the same BLOOM: 4-bit weights stored as bf16 and sharded,
+The bf16-true LoRA cell has no MixedPrecisionPolicy, so peft's fp32 adapters compute in fp32 and
+save fp32 inputs (it read -1.2% while traced with bf16 adapters). The QLoRA cell is sharded QLoRA on the same BLOOM: 4-bit weights stored as bf16 and sharded,
 their quantization states replicated, the rest of the base bf16, the fp32 adapters gathered in bf16."""
 import json
 
@@ -19,7 +20,8 @@ LORA, QLORA = ("peft=lora",), ("peft=qlora",)
 # (model, strategy, precision, gradient checkpointing, overrides)
 CELLS = [("tiny-llama", "fsdp2", "bf16-mixed", False, UNEVEN), ("tiny-llama", "fsdp2_tp", "32-true", False, ()),
          ("tiny-llama", "fsdp2_grad_op", "32-true", True, ()), ("tiny-bloom", "fsdp2", "bf16-mixed", False, LORA),
-         ("tiny-bloom", "fsdp2", "bf16-mixed", False, QLORA)]
+         ("tiny-bloom", "fsdp2", "bf16-mixed", False, QLORA),
+         ("small-llama", "fsdp2", "bf16-true", False, (*LORA, "peft.r=8", "peft.dropout=0.0", "peft.target_modules=[q_proj,v_proj]"))]
 
 
 @pytest.mark.parametrize("model,strategy,precision,ckpt,extra", CELLS,
@@ -28,7 +30,8 @@ CELLS = [("tiny-llama", "fsdp2", "bf16-mixed", False, UNEVEN), ("tiny-llama", "f
 def test_fsdp2_measured_peak_matches_estimate(cli, model, strategy, precision, ckpt, extra):
     run_dir = cli.cwd / "run"
     r = cli(f"model={model}", "hardware=cpu", "gpus=2", f"strategy={strategy}", "mode=measure", "report=json",
-            "training.seq_len=128", "training.micro_batch_size=2", f"training.precision={precision}",
+            f"training.seq_len={256 if model == 'small-llama' else 128}", "training.micro_batch_size=2",
+            f"training.precision={precision}",
             f"training.gradient_checkpointing={str(ckpt).lower()}", "measure.memory_steps=2",
             "measure.timing_steps=0", "measure.warmup_steps=1", *extra, f"hydra.run.dir={run_dir}", timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -12,7 +12,7 @@ BACKEND = Backend(
     worker="launcher.backends.fsdp2.worker:FSDP2Backend",
     check_worker_config="launcher.backends.fsdp2.worker:check_config",
     knobs=("fsdp2",),
-    adapter_autocast=False, peft_settings=rules.peft_settings,
+    adapter_autocast=rules.adapter_autocast, peft_settings=rules.peft_settings,
     exports=emit.exports,
     expand=rules.expand, launch_problem=rules.launch_problem,
 )

@@ -89,6 +89,14 @@ def mixed_precision(precision: str) -> dict:
     return {"param_dtype": None, "reduce_dtype": None}
 
 
+def adapter_autocast(precision: str) -> bool:
+    """Whether peft's fp32 adapters compute in fp32 (what the trace must run): without a
+    MixedPrecisionPolicy param_dtype (32-true, bf16-true) fully_shard gathers every parameter in its
+    own dtype, so the adapters stay fp32 and peft casts their input to fp32; under bf16-mixed the
+    policy gathers them in bf16 like every other parameter (_fsdp_param.py `init_dtype_attrs`)."""
+    return mixed_precision(precision)["param_dtype"] is None
+
+
 def model_dtype(precision: str) -> str:
     """The dtype of the sharded parameters (and of the optimizer states)."""
     return "bfloat16" if precision == "bf16-true" else "float32"
