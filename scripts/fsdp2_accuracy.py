@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 BEGIN, END = "<!-- fsdp2-accuracy:begin -->", "<!-- fsdp2-accuracy:end -->"
 UNEVEN = ("model.hf_config.vocab_size=321", "model.hf_config.intermediate_size=175")
 LORA = ("peft.method=lora",)
+LORA_R64 = (*LORA, "peft.r=64", "peft.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]")
 QLORA = ("peft=qlora",)  # sharded QLoRA: NF4 stored as bf16, double quantization, r=16 (conf/peft/qlora.yaml)
 NO_SDPA = {"tiny-bloom", "small-bloom"}
 # (model, strategy, precision, gradient checkpointing, extra overrides, note)
@@ -51,12 +52,16 @@ CELLS = [
     ("small-llama", "fsdp2_tp", "32-true", False, (), "dp 1 x tp 2"),
     ("tiny-bloom", "fsdp2", "bf16-mixed", False, LORA, "LoRA r=8"),
     ("small-llama", "fsdp2", "bf16-true", False, LORA, "LoRA r=8: fp32 adapters, no MixedPrecisionPolicy"),
+    ("small-llama", "fsdp2", "bf16-true", False, LORA_R64, "LoRA r=64, every projection: fp32 adapters"),
+    ("small-llama", "fsdp2", "bf16-mixed", False, LORA_R64, "LoRA r=64, every projection"),
     ("tiny-llama", "fsdp2", "bf16-mixed", False, QLORA, "QLoRA"),
     ("tiny-llama", "fsdp2", "bf16-mixed", True, QLORA, "QLoRA"),
     ("tiny-bloom", "fsdp2", "bf16-mixed", False, QLORA, "QLoRA"),
     ("small-llama", "fsdp2", "bf16-mixed", False, QLORA, "QLoRA"),
     ("small-llama", "fsdp2_grad_op", "bf16-mixed", False, QLORA, "QLoRA"),
     ("small-llama", "fsdp2", "bf16-mixed", True, QLORA, "QLoRA"),
+    ("small-llama", "fsdp2", "bf16-true", False, QLORA, "QLoRA: fp32 adapters, no MixedPrecisionPolicy"),
+    ("small-llama", "fsdp2", "32-true", False, QLORA, "QLoRA: bf16 base, fp32 adapters"),
 ]
 SEQ_LEN, MICRO = 128, 2
 

@@ -5,8 +5,9 @@ within 1% of the peak of live tensor bytes the allocation tracker measures in th
 optimizer states and peaks, differ, and each rank's estimate follows its own. The LoRA cell is a
 BLOOM whose LM head and loss backward outlast a block's: its last block unshards only when the
 gradient reaches its output (it read +5.7% while that was placed one block period before the end).
-The bf16-true LoRA cell has no MixedPrecisionPolicy, so peft's fp32 adapters compute in fp32 and
-save fp32 inputs (it read -1.2% while traced with bf16 adapters). The QLoRA cell is sharded QLoRA on the same BLOOM: 4-bit weights stored as bf16 and sharded,
+The bf16-true LoRA cell has no MixedPrecisionPolicy, so peft's fp32 adapters compute in fp32, save
+fp32 inputs and are sharded, gathered and reduced in fp32 (r=8 on q, v read -1.2% while traced with
+bf16 adapters; r=64 on every projection -2.2% while their shards were counted in bf16). The QLoRA cell is sharded QLoRA on the same BLOOM: 4-bit weights stored as bf16 and sharded,
 their quantization states replicated, the rest of the base bf16, the fp32 adapters gathered in bf16."""
 import json
 
@@ -21,7 +22,8 @@ LORA, QLORA = ("peft=lora",), ("peft=qlora",)
 CELLS = [("tiny-llama", "fsdp2", "bf16-mixed", False, UNEVEN), ("tiny-llama", "fsdp2_tp", "32-true", False, ()),
          ("tiny-llama", "fsdp2_grad_op", "32-true", True, ()), ("tiny-bloom", "fsdp2", "bf16-mixed", False, LORA),
          ("tiny-bloom", "fsdp2", "bf16-mixed", False, QLORA),
-         ("small-llama", "fsdp2", "bf16-true", False, (*LORA, "peft.r=8", "peft.dropout=0.0", "peft.target_modules=[q_proj,v_proj]"))]
+         ("small-llama", "fsdp2", "bf16-true", False, (*LORA, "peft.r=64", "peft.dropout=0.0",
+                                                                "peft.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"))]
 
 
 @pytest.mark.parametrize("model,strategy,precision,ckpt,extra", CELLS,

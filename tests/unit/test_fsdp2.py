@@ -143,7 +143,7 @@ def test_sharded_qlora_matches_fully_shard():
     wl = Workload(seq_len=8, micro_batch_size=1, precision="bf16-mixed", optimizer="adamw_torch",
                   gradient_checkpointing=False, attn_implementation="sdpa")
     for rank, (sharded, state) in enumerate(real):
-        terms = {term.name: term.nbytes for term in fsdp2_layout(t, setup(STRATEGIES["fsdp2"], wl, 2, rank, True)).terms}
+        terms = {term.name: term.nbytes for term in fsdp2_layout(t, setup(STRATEGIES["fsdp2"], wl, 2, rank, 2)).terms}
         assert (terms["sharded_params"], terms["quant_state"]) == (sharded, state)
 
 
@@ -184,9 +184,9 @@ def test_rules_name_the_problem():
     assert "tensor-parallel plan" in refusal("fsdp2_tp", peft="lora")
     assert "does not divide 5" in refusal("fsdp2_tp", num_processes=5)
     assert "QLoRA" in refusal("fsdp2_offload", peft="qlora") and "QLoRA" in refusal("fsdp2_tp", peft="qlora")
-    assert "training.precision=bf16-mixed" in refusal("fsdp2", peft="qlora", precision="bf16-true")
     assert refusal("fsdp2_tp") == "" and refusal("fsdp2", peft="lora") == ""
     assert refusal("fsdp2", peft="qlora") == "" and refusal("fsdp2", peft="qlora", device="cpu") == ""
+    assert refusal("fsdp2", peft="qlora", precision="bf16-true") == refusal("fsdp2", peft="qlora", precision="32-true") == ""
 
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "fsdp2_tp"])

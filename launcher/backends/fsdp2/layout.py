@@ -34,6 +34,13 @@ autograd allocates them are kept; its parameters are replaced by FSDP2's storage
   unsharded copy is made per parameter (`all_gather_inputs` casts with a param_dtype) and the
   reduce-scatter input is copied to the output.
 
+Dtypes per parameter (`own_bytes`): the model's dtype, except peft's fp32 adapters on a 16-bit
+model and a sharded QLoRA base (its 4-bit weights stored as compute-dtype elements, its other
+parameters in the compute dtype, `four_bit_params`). A MixedPrecisionPolicy param_dtype casts and
+gathers every parameter in that dtype and reduces in its reduce_dtype; without one each parameter is
+gathered, reduced and its optimizer states kept in its own dtype (the all-gather then runs on bytes,
+_fsdp_collectives.py `_get_all_gather_input_metadatas`).
+
 Block boundaries: the trace records where the decoder layers start and end in forward and in
 backward (`StepTrace.layer_bounds`); a repeated block allocates and frees the same storages, so
 block l spans the l-th equal part of that range. FSDP2's own steps at a boundary (copy-in,
@@ -64,8 +71,8 @@ class FSDP2Setup:
     rank: int  # this rank's index on it
     reshard_after_forward: bool
     compute_bytes: int  # bytes per element of the unsharded parameters (param_dtype or model dtype)
-    shard_bytes: int  # bytes per element of sharded parameters and optimizer states
-    reduce_bytes: int  # bytes per element of the reduce-scatter buffers and sharded gradients
+    shard_bytes: int  # bytes per element of sharded parameters and optimizer states (at least; `own_bytes`)
+    reduce_bytes: int  # bytes per element of the reduce-scatter buffers and sharded gradients; 0: own dtype
     cast: bool  # a MixedPrecisionPolicy param_dtype differs from the sharded dtype
     optimizer: str = "adamw_torch"
     offload: bool = False  # CPUOffloadPolicy: shards, sharded gradients and the step on the host
@@ -121,19 +128,27 @@ class Group:
     numels: list = field(default_factory=list)  # per parameter padded shard numel
     trainable_padded: int = 0  # padded shard numel of the parameters with gradients (reduce-scatter)
     trainable_local: list = field(default_factory=list)  # unpadded, of the trainable ones (optimizer states)
-    frozen_padded: int = 0  # padded shard numel of the frozen parameters
     cast_numels: list = field(default_factory=list)  # padded shard numel of each parameter cast to the param dtype
+    # with a setup, bytes: padded shards in their own dtypes; unsharded (gathered) parameters;
+    # reduce-scatter output of the trainable ones; each rank's unpadded trainable chunks (optimizer states)
+    shard_bytes: int = 0
+    gather_bytes: int = 0
+    reduce_bytes: int = 0
+    trainable_local_bytes: list = field(default_factory=list)
 
 
 def groups(trace: StepTrace, world: int, s: FSDP2Setup | None = None) -> dict:
-    """layer -> Group over the distinct parameters (tied copies once), root = -1. With a setup
-    whose frozen parameters keep another dtype than the trainable ones (sharded QLoRA), only the
-    parameters whose shard dtype differs from the compute dtype are cast (`cast_numels`)."""
+    """layer -> Group over the distinct parameters (tied copies once), root = -1. With a setup,
+    each parameter's bytes follow its own dtype (`own_bytes`): a MixedPrecisionPolicy param_dtype
+    casts (`cast_numels`) and gathers every parameter in that dtype, and reduces in its
+    reduce_dtype; without one, each is gathered and reduced in its own dtype
+    (_fsdp_param.py `init_dtype_attrs`, _fsdp_collectives.py `_get_all_gather_input_metadatas`)."""
     out: dict = {}
     four_bit = four_bit_params(trace)
     for i in distinct_params(trace):
         layer = int(trace.params.layer[i])
-        g = out.setdefault(layer, Group(layer, local=[0] * world, trainable_local=[0] * world))
+        g = out.setdefault(layer, Group(layer, local=[0] * world, trainable_local=[0] * world,
+                                        trainable_local_bytes=[0] * world))
         padded, local = chunk_numels(_shape(trace, i, four_bit), world)
         g.params.append(i)
         g.padded_shard += padded
@@ -143,14 +158,26 @@ def groups(trace: StepTrace, world: int, s: FSDP2Setup | None = None) -> dict:
         if trainable:  # frozen ones (LoRA's base) are gathered, never reduced
             g.trainable_padded += padded
             g.trainable_local = [a + b for a, b in zip(g.trainable_local, local)]
-        else:
-            g.frozen_padded += padded
-        if s is not None and s.cast and (trainable or _frozen_bytes(s) != s.compute_bytes):
+        if s is None:
+            continue
+        own = own_bytes(trace, i, s)
+        g.shard_bytes += padded * own
+        g.gather_bytes += padded * (s.compute_bytes if s.cast else own)
+        if s.cast and own != s.compute_bytes:
             g.cast_numels.append(padded)
+        if trainable:
+            g.reduce_bytes += padded * (s.reduce_bytes or own)
+            g.trainable_local_bytes = [a + b * own for a, b in zip(g.trainable_local_bytes, local)]
     return out
 
 
-def _frozen_bytes(s: FSDP2Setup) -> int:
+def own_bytes(trace: StepTrace, i: int, s: FSDP2Setup) -> int:
+    """Bytes per element of parameter i as fully_shard holds it: the model's dtype (`shard_bytes`);
+    a trainable parameter traced wider is that wide (peft's fp32 adapters on a 16-bit model, traced
+    fp32 where no MixedPrecisionPolicy casts them: rules.py `adapter_autocast`); a frozen one of a
+    sharded QLoRA base is in the compute dtype (`frozen_bytes`)."""
+    if trace.params.trainable[i]:
+        return max(s.shard_bytes, int(trace.params.element_size[i]))
     return s.frozen_bytes or s.shard_bytes
 
 
@@ -262,8 +289,8 @@ def fsdp2_layout(trace: StepTrace, s: FSDP2Setup) -> FSDP2Layout:
     lay = FSDP2Layout.build(trace, inserts, reduce_events=3, step_events=2)
     lay.drop(Kind.PARAM)
     cb, sb = s.compute_bytes, s.shard_bytes
-    unsharded = lambda g: W * g.padded_shard * cb  # noqa: E731
-    ag_out = lambda g: W * g.padded_shard * cb if W > 1 else 0  # noqa: E731
+    unsharded = lambda g: W * g.gather_bytes  # noqa: E731
+    ag_out = lambda g: W * g.gather_bytes if W > 1 else 0  # noqa: E731
 
     def cast_temp(g) -> int:
         """With W > 1 the flat cast copy of the group's shards; with W = 1 one parameter's cast at
@@ -282,18 +309,16 @@ def fsdp2_layout(trace: StepTrace, s: FSDP2Setup) -> FSDP2Layout:
     # persistent: sharded parameters (padded) and optimizer states (unpadded local chunks of the
     # trainable parameters); in host memory under CPUOffloadPolicy (_fsdp_param.py
     # `_init_sharded_param`: `padded_sharded_param.cpu()`, pinned; the optimizer steps them there)
-    trainable_padded = sum(g.trainable_padded for g in gs.values())
-    frozen_padded = sum(g.frozen_padded for g in gs.values())
-    lay.add("sharded_params", "parameters", trainable_padded * sb + frozen_padded * _frozen_bytes(s), host=s.offload)
+    lay.add("sharded_params", "parameters", sum(g.shard_bytes for g in gs.values()), host=s.offload)
     quant_state = sum(q for _, q in four_bit_params(trace).values())
     if quant_state:  # replicated on every rank, outside the shards (`four_bit_params`)
         lay.add("quant_state", "parameters", quant_state)
-    local = sum(g.trainable_local[r] for g in gs.values())
+    local = sum(g.trainable_local_bytes[r] for g in gs.values())  # states in each parameter's dtype
     trainable = [i for i in distinct_params(trace) if trace.params.trainable[i]]
     if s.optimizer != "sgd":
-        lay.add("optimizer_states", "optimizer_states", 2 * local * sb + 4 * len(trainable), host=s.offload)
+        lay.add("optimizer_states", "optimizer_states", 2 * local + 4 * len(trainable), host=s.offload)
     else:
-        lay.add("optimizer_states", "optimizer_states", local * sb, host=s.offload)
+        lay.add("optimizer_states", "optimizer_states", local, host=s.offload)
 
     # forward: root unshard at the start, then each block's unshard at its start
     lay.add("cast_copy", "buffers", cast_temp(root), lay.at(fs, 0), lay.at(fs, 1))
@@ -337,8 +362,10 @@ def fsdp2_layout(trace: StepTrace, s: FSDP2Setup) -> FSDP2Layout:
     _reduce_terms(lay, trace, root, s, r0, r1, r2, lay.reduce_ev(3))
     # optimizer step over the sharded parameters (local chunks): foreach temporaries
     locals_ = [chunk_numels(_shape(trace, i), W)[1][r] for i in trainable]
+    step_bytes = max((own_bytes(trace, i, s) for i in trainable), default=sb)
     lay.add("optimizer_step_temporaries", "optimizer_states",
-            sb * optimizer_step_temp_numel(s.optimizer, locals_), lay.step_ev(0), lay.step_ev(1), host=s.offload)
+            step_bytes * optimizer_step_temp_numel(s.optimizer, locals_), lay.step_ev(0), lay.step_ev(1),
+            host=s.offload)
     return lay
 
 
@@ -352,13 +379,13 @@ def _reduce_terms(lay: FSDP2Layout, trace: StepTrace, g: Group, s: FSDP2Setup, u
     returns (u2); the reduce-scatter output from u1 to `zero_grad` (its views are the sharded
     gradients). On CPU processes the worker reduce-scatters by an in-place all-reduce of the input
     (worker.py `gloo_reduce_scatter`), which allocates nothing more, as NCCL's reduce-scatter."""
-    W, rb = s.world, s.reduce_bytes
-    lay.add("reduce_scatter_input", "buffers", W * g.trainable_padded * rb, u0, rs_end)
+    W = s.world
+    lay.add("reduce_scatter_input", "buffers", W * g.reduce_bytes, u0, rs_end)
     if s.offload:  # the device output is copied to the host and dropped (`new_sharded_grad.to("cpu")`)
-        lay.add("reduce_scatter_output", "gradients", g.trainable_padded * rb, u1, u2)
-        lay.add("sharded_grads", "gradients", g.trainable_padded * rb, u1, lay.step_ev(1), host=True)
+        lay.add("reduce_scatter_output", "gradients", g.reduce_bytes, u1, u2)
+        lay.add("sharded_grads", "gradients", g.reduce_bytes, u1, lay.step_ev(1), host=True)
     else:
-        lay.add("sharded_grads", "gradients", g.trainable_padded * rb, u1, lay.step_ev(1))
+        lay.add("sharded_grads", "gradients", g.reduce_bytes, u1, lay.step_ev(1))
     g_rows = (trace.kind == Kind.GRAD) & (trace.param >= 0)
     with_grad = [p for p in g.params if trace.params.trainable[p]]
     last = with_grad[-1:] if W > 1 else []
@@ -387,8 +414,8 @@ NOTES = (
 QLORA_NOTE = (
     "Sharded QLoRA: the 4-bit weights are stored as bf16 elements (bitsandbytes quant_storage) and "
     "sharded, gathered and freed like the other frozen bf16 parameters; their quantization states "
-    "(absmax, double-quantization constants) are replicated on every rank; the fp32 adapters are "
-    "gathered in bf16 (launcher/backends/fsdp2/layout.py `four_bit_params`).")
+    "(absmax, double-quantization constants) are replicated on every rank; the rest of the base stays in "
+    "the compute dtype (launcher/backends/fsdp2/layout.py `four_bit_params`).")
 
 
 def trace_request(strategy: Strategy, workload) -> dict:
@@ -402,18 +429,19 @@ def trace_request(strategy: Strategy, workload) -> dict:
     return out
 
 
-def setup(strategy: Strategy, workload, dp: int, rank: int, sharded_qlora: bool = False) -> FSDP2Setup:
-    """`sharded_qlora`: the base is built in the compute dtype and not upcast (rules.py
-    `peft_settings`), so its frozen parameters are sharded, gathered and computed in that dtype;
-    the adapters are fp32 (peft's autocast_adapter_dtype) and cast like any parameter."""
+def setup(strategy: Strategy, workload, dp: int, rank: int, frozen_bytes: int = 0) -> FSDP2Setup:
+    """`frozen_bytes`: bytes per element of the frozen parameters when they are not in the model's
+    dtype: a sharded QLoRA base is built in its compute dtype and not upcast (rules.py
+    `peft_settings`); 0: the model's dtype."""
     mp = mixed_precision(workload.precision)
     shard = model_dtype(workload.precision)
     compute = mp["param_dtype"] or shard
     return FSDP2Setup(world=dp, rank=rank, reshard_after_forward=reshard_after_forward(strategy),
                       compute_bytes=DTYPE_BYTES[compute], shard_bytes=DTYPE_BYTES[shard],
-                      reduce_bytes=DTYPE_BYTES[mp["reduce_dtype"] or compute], cast=compute != shard,
+                      reduce_bytes=DTYPE_BYTES[mp["reduce_dtype"] or mp["param_dtype"]] if mp["param_dtype"] else 0,
+                      cast=compute != shard,
                       optimizer=workload.optimizer, offload=strategy.offload_params,
-                      frozen_bytes=DTYPE_BYTES[compute] if sharded_qlora else 0)
+                      frozen_bytes=frozen_bytes)
 
 
 def memory(traces, strategy: Strategy, workload, knobs, dp: int, device: str) -> LayoutSet:
@@ -424,8 +452,9 @@ def memory(traces, strategy: Strategy, workload, knobs, dp: int, device: str) ->
     for rank in range(dp):
         key = tuple(tuple(g.trainable_local[rank] for g in groups(t, dp).values()) for t in depths)
         keyed.setdefault(key, []).append(rank)
-    qlora = bool(four_bit_params(traces.depth1))
+    four_bit = four_bit_params(traces.depth1)  # sharded QLoRA: the base in the traced compute dtype
+    frozen = int(traces.depth1.params.element_size[next(iter(four_bit))]) if four_bit else 0
     out = tuple((tuple(ranks) if len(keyed) > 1 else (),
-                 tuple(fsdp2_layout(t, setup(strategy, workload, dp, ranks[0], qlora)) for t in depths))
+                 tuple(fsdp2_layout(t, setup(strategy, workload, dp, ranks[0], frozen)) for t in depths))
                 for ranks in keyed.values())
-    return LayoutSet(groups=out, traces=traces, notes=NOTES + (QLORA_NOTE,) * qlora)
+    return LayoutSet(groups=out, traces=traces, notes=NOTES + (QLORA_NOTE,) * bool(four_bit))

@@ -40,7 +40,6 @@ WHY = {
 }
 FSDP2 = Rules(precisions={"cuda": PRECISIONS, "cpu": PRECISIONS}, optimizers=OPTIMIZERS,
               peft=frozenset({"none", "lora", "qlora"}), peft_devices={"qlora": frozenset({"cuda", "cpu"})}, why=WHY)
-QLORA_PRECISION = "bf16-mixed"
 OFFLOAD = Rules(precisions={"cuda": PRECISIONS}, optimizers=OPTIMIZERS, peft=frozenset({"none", "lora"}), why=WHY)
 TP = Rules(precisions={"cuda": PRECISIONS, "cpu": PRECISIONS}, optimizers=OPTIMIZERS, peft=frozenset({"none"}),
            why={**WHY, "lora": "LoRA adapters are not in fsdp2_tp's tensor-parallel plan; use fsdp2"})
@@ -53,14 +52,9 @@ def rules(strategy: Strategy) -> Rules:
 
 
 def problem(strategy: Strategy, ask: Ask) -> str:
-    """The 2D mesh must cover the processes: tp_size divides them. Sharded QLoRA runs under
-    bf16-mixed only: its MixedPrecisionPolicy gathers the fp32 adapters in bf16 (what is traced)
-    and leaves the bf16-stored 4-bit weights uncast."""
+    """The 2D mesh must cover the processes: tp_size divides them."""
     if strategy.tp_size > 1 and ask.num_processes % strategy.tp_size:
         return f"{strategy.name}: tp_size={strategy.tp_size} does not divide {ask.num_processes} processes"
-    if ask.peft == "qlora" and ask.precision != QLORA_PRECISION:
-        return (f"strategy={strategy.name} trains QLoRA with training.precision={QLORA_PRECISION} only (the fp32 "
-                f"adapters gathered in bf16, the bf16-stored 4-bit weights uncast); use training.precision={QLORA_PRECISION}")
     return ""
 
 
