@@ -412,8 +412,8 @@ NOTES = (
 
 
 QLORA_NOTE = (
-    "Sharded QLoRA: the 4-bit weights are stored as bf16 elements (bitsandbytes quant_storage) and "
-    "sharded, gathered and freed like the other frozen bf16 parameters; their quantization states "
+    "Sharded QLoRA: the 4-bit weights are stored as compute-dtype elements (bitsandbytes quant_storage) "
+    "and sharded, gathered and freed like the other frozen parameters; their quantization states "
     "(absmax, double-quantization constants) are replicated on every rank; the rest of the base stays in "
     "the compute dtype (launcher/backends/fsdp2/layout.py `four_bit_params`).")
 
