@@ -7,8 +7,9 @@ BLOOM whose LM head and loss backward outlast a block's: its last block unshards
 gradient reaches its output (it read +5.7% while that was placed one block period before the end).
 The bf16-true LoRA cell has no MixedPrecisionPolicy, so peft's fp32 adapters compute in fp32, save
 fp32 inputs and are sharded, gathered and reduced in fp32 (r=8 on q, v read -1.2% while traced with
-bf16 adapters; r=64 on every projection -2.2% while their shards were counted in bf16). The QLoRA cell is sharded QLoRA on the same BLOOM: 4-bit weights stored as bf16 and sharded,
-their quantization states replicated, the rest of the base bf16, the fp32 adapters gathered in bf16."""
+bf16 adapters; r=64 on every projection -2.2% while their shards were counted in bf16). The QLoRA
+cell is sharded QLoRA on the same BLOOM: 4-bit weights stored as bf16 and sharded, their
+quantization states replicated, the rest of the base bf16, the fp32 adapters gathered in bf16."""
 import json
 
 import pytest
@@ -18,16 +19,17 @@ pytestmark = pytest.mark.integration
 BOUND_PERCENT = 1.0
 UNEVEN = ("model.hf_config.vocab_size=321", "model.hf_config.intermediate_size=175")
 LORA, QLORA = ("peft=lora",), ("peft=qlora",)
+LORA_R64 = (*LORA, "peft.r=64", "peft.dropout=0.0",
+            "peft.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]")
 # (model, strategy, precision, gradient checkpointing, overrides)
 CELLS = [("tiny-llama", "fsdp2", "bf16-mixed", False, UNEVEN), ("tiny-llama", "fsdp2_tp", "32-true", False, ()),
          ("tiny-llama", "fsdp2_grad_op", "32-true", True, ()), ("tiny-bloom", "fsdp2", "bf16-mixed", False, LORA),
          ("tiny-bloom", "fsdp2", "bf16-mixed", False, QLORA),
-         ("small-llama", "fsdp2", "bf16-true", False, (*LORA, "peft.r=64", "peft.dropout=0.0",
-                                                                "peft.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"))]
+         ("small-llama", "fsdp2", "bf16-true", False, LORA_R64)]
 
 
 @pytest.mark.parametrize("model,strategy,precision,ckpt,extra", CELLS,
-                         ids=[f"{c[0]}-{c[1]}-{c[2]}-ckpt{c[3]}{'-' + c[4][0][5:] if c[4] and c[4][0].startswith('peft=') else ''}"
+                         ids=[f"{c[0]}-{c[1]}-{c[2]}-ckpt{c[3]}" + ("-" + c[4][0][5:] if c[4][:1] in (LORA, QLORA) else "")
                               for c in CELLS])
 def test_fsdp2_measured_peak_matches_estimate(cli, model, strategy, precision, ckpt, extra):
     run_dir = cli.cwd / "run"

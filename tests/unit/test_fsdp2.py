@@ -186,7 +186,8 @@ def test_rules_name_the_problem():
     assert "QLoRA" in refusal("fsdp2_offload", peft="qlora") and "QLoRA" in refusal("fsdp2_tp", peft="qlora")
     assert refusal("fsdp2_tp") == "" and refusal("fsdp2", peft="lora") == ""
     assert refusal("fsdp2", peft="qlora") == "" and refusal("fsdp2", peft="qlora", device="cpu") == ""
-    assert refusal("fsdp2", peft="qlora", precision="bf16-true") == refusal("fsdp2", peft="qlora", precision="32-true") == ""
+    assert refusal("fsdp2", peft="qlora", precision="bf16-true") == ""
+    assert refusal("fsdp2", peft="qlora", precision="32-true") == ""
 
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "fsdp2_tp"])

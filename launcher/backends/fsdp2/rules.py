@@ -35,7 +35,8 @@ TP_FAMILIES = ("llama", "mistral", "qwen2")  # the plan in tp_plan.py names thes
 WHY = {
     "16-mixed": "fp16 under FSDP2 needs a sharded gradient scaler the worker does not run; use bf16-mixed",
     "16-true": "fp16 under FSDP2 needs a sharded gradient scaler the worker does not run; use bf16-true",
-    "qlora": "QLoRA's 4-bit base is sharded by fsdp2 only, not with CPU offload or tensor parallelism; use strategy=fsdp2",
+    "qlora": ("QLoRA's 4-bit base is sharded by fsdp2 only, not with CPU offload or tensor parallelism; "
+              "use strategy=fsdp2"),
     "cpu": "CPUOffloadPolicy moves shards and the optimizer step to the host; on CPU processes that is the same memory",
 }
 FSDP2 = Rules(precisions={"cuda": PRECISIONS, "cpu": PRECISIONS}, optimizers=OPTIMIZERS,
