@@ -449,8 +449,9 @@ def memory(traces, strategy: Strategy, workload, knobs, dp: int, device: str) ->
     differ when a dimension does not divide); the estimate reports every rank and the worst."""
     depths = (traces.depth1, traces.depth2)
     keyed: dict = {}
+    per_depth = [list(groups(t, dp).values()) for t in depths]  # the same for every rank
     for rank in range(dp):
-        key = tuple(tuple(g.trainable_local[rank] for g in groups(t, dp).values()) for t in depths)
+        key = tuple(tuple(g.trainable_local[rank] for g in gs) for gs in per_depth)
         keyed.setdefault(key, []).append(rank)
     four_bit = four_bit_params(traces.depth1)  # sharded QLoRA: the base in the traced compute dtype
     frozen = int(traces.depth1.params.element_size[next(iter(four_bit))]) if four_bit else 0
