@@ -19,11 +19,19 @@ def run_cli(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None
                           text=True, timeout=timeout, env=full_env)
 
 
+@pytest.fixture(scope="session")
+def trace_cache(tmp_path_factory) -> str:
+    """`cache_dir=...` shared by every CLI run of the session. Traces, model specs and candidate
+    memos are keyed by everything they depend on (launcher/trace.py `_cache_key`), so a run reads
+    only what an identical cold plan would compute; each distinct workload is traced once."""
+    return f"cache_dir={tmp_path_factory.mktemp('trace-cache')}"
+
+
 @pytest.fixture
-def cli(tmp_path):
-    """Run the CLI with a private run directory root and trace cache."""
+def cli(tmp_path, trace_cache):
+    """Run the CLI with a private run directory root and the session's trace cache."""
     def _run(*args: str, **kw):
-        return run_cli(*args, f"cache_dir={tmp_path / 'cache'}", cwd=tmp_path, **kw)
+        return run_cli(*args, trace_cache, cwd=tmp_path, **kw)
     _run.cwd = tmp_path
     return _run
 

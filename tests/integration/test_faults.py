@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 KILL_RUN = [*BASE, "training.micro_batch_size=2", f"training.max_steps={KILL_STEPS}", "checkpoint.every_steps=3"]
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> str:
-    return f"cache_dir={tmp_path_factory.mktemp('trace-cache')}"
+@pytest.fixture
+def cache(trace_cache) -> str:
+    return trace_cache
 
 
 def _env() -> dict:

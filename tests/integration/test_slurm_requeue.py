@@ -46,10 +46,10 @@ def _cap(cache: str) -> int:
     return (first.memory.device_total_bytes + second.memory.device_total_bytes) // 2
 
 
-def test_out_of_memory_falls_back_in_the_job_and_requeue_continues(slurm_cluster, tmp_path):
+def test_out_of_memory_falls_back_in_the_job_and_requeue_continues(slurm_cluster, tmp_path, trace_cache):
     import submitit
 
-    cache = f"cache_dir={tmp_path / 'cache'}"
+    cache = trace_cache
     run = tmp_path / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "LAUNCHER_SIMULATE_OOM_FROM_STEP": "3"}
     proc = subprocess.Popen([sys.executable, "-m", "launcher", *ARGS, f"worker.simulate_oom_above_bytes={_cap(cache)}",

@@ -53,10 +53,10 @@ def test_launch_slurm_trains_and_completes(slurm_cluster, cli):
     assert "loss" in (run_dir / "slurm" / f"{job_id}_0_log.out").read_text()  # rank 0's progress, in the job log
 
 
-def test_cancelled_job_does_not_hang_the_launcher(slurm_cluster, tmp_path):
+def test_cancelled_job_does_not_hang_the_launcher(slurm_cluster, tmp_path, trace_cache):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "launcher", *_slurm(TRAIN), "training.max_steps=100000",
-                             "mode=run", f"cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}"],
+                             "mode=run", trace_cache, f"hydra.run.dir={tmp_path / 'run'}"],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         id_file = tmp_path / "run" / "slurm_job_id"
