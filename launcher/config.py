@@ -217,10 +217,12 @@ PeftMethod = _enum(
     "PeftMethod", ["none", "lora", "qlora"],
     "none = full fine-tuning; lora = LoRA adapters (arXiv:2106.09685) on a frozen base; qlora = "
     "LoRA on a base whose Linear weights are bitsandbytes 4-bit (arXiv:2305.14314; GPU only).")
-QuantType = _enum("QuantType", ["nf4", "fp4", "gptq_int4", "gptq_int8"],
+QuantType = _enum("QuantType", ["nf4", "fp4", "gptq_int4", "gptq_int8", "torchao_nf4"],
                   "nf4 | fp4: bitsandbytes 4-bit data type (bnb_4bit_quant_type), quantized from the 16-bit "
                   "model; gptq_int4 | gptq_int8: a GPTQ-quantized checkpoint (auto-gptq QuantLinear, "
-                  "peft.gptq_group_size), planned but not trained by the worker.")
+                  "peft.gptq_group_size); torchao_nf4: torchao's NF4Tensor on the Linears that get "
+                  "adapters, built and loaded as torchtune's single-device QLoRA recipe does "
+                  "(peft.nf4_quantize_chunk). GPTQ and torchao bases are planned but not trained by the worker.")
 ComputeDtype = _enum("ComputeDtype", ["bfloat16", "float16"], "bnb_4bit_compute_dtype for QLoRA.")
 InferPrecision = _enum(
     "InferPrecision", ["bf16", "fp16", "int8", "nf4", "fp4", "gptq_int4", "gptq_int8"],
@@ -257,6 +259,9 @@ class PeftConfig:
     """QLoRA: dtype the frozen base computes (and is kept) in, except its 4-bit Linear weights."""
     gptq_group_size: int = 128
     """quant_type=gptq_*: the checkpoint's GPTQ group size (quantize_config.json group_size)."""
+    nf4_quantize_chunk: int = 1048576
+    """quant_type=torchao_nf4: elements per nearest-value search when a weight is quantized
+    (torchao >= 0.2: 1048576, nf4tensor.py CHUNK_SIZE; 0 = the whole weight at once, torchao 0.1)."""
     upcast_non_quantized: bool = True
     """QLoRA (bitsandbytes types): run peft's prepare_model_for_kbit_training, as HF Trainer, TRL and
     Axolotl QLoRA recipes do: every 16-bit parameter that is not 4-bit (embeddings, norms, LM head)

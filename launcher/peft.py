@@ -36,7 +36,7 @@ class LoraSettings:
     target_modules: Optional[tuple] = None  # None = PEFT's default for the architecture
     use_dora: bool = False  # DoRA (peft LoraConfig use_dora): a trained magnitude vector per adapted weight
     modules_to_save: Optional[tuple] = None  # modules trained in full next to the adapters (peft copies them)
-    quant_type: Optional[str] = None  # None (LoRA) | 'nf4' | 'fp4' (QLoRA)
+    quant_type: Optional[str] = None  # None (LoRA) | 'nf4' | 'fp4' (QLoRA) | gptq_* | torchao_nf4
     double_quant: bool = True
     compute_dtype: str = "bfloat16"  # QLoRA: dtype of the frozen base (except 4-bit weights)
     # QLoRA: peft.prepare_model_for_kbit_training casts every 16-bit parameter that is not 4-bit to fp32
@@ -74,6 +74,9 @@ def settings_from_config(peft_config) -> Optional[LoraSettings]:
         problems.append(f"peft.r={peft_config.r}: must be at least 1, e.g. peft.r=8")
     if not 0 <= peft_config.dropout < 1:
         problems.append(f"peft.dropout={peft_config.dropout}: must be in [0, 1), e.g. 0.05")
+    if peft_config.nf4_quantize_chunk < 0:
+        problems.append(f"peft.nf4_quantize_chunk={peft_config.nf4_quantize_chunk}: must be 0 (torchao 0.1) "
+                        "or a chunk size, e.g. 1048576 (torchao >= 0.2)")
     if problems:
         raise ConfigError(*problems)
     tm = tuple(peft_config.target_modules) if peft_config.target_modules else None
@@ -347,7 +350,10 @@ def trace_fields(lora: Optional[LoraSettings], adapter_autocast: bool, request: 
     if lora.quant_type is not None:
         out["param_dtype"] = lora.compute_dtype
         gptq = lora.quant_type.startswith("gptq")
-        out["kbit_upcast"] = lora.upcast_non_quantized and not gptq  # peft skips it for GPTQ
+        torchao = lora.quant_type == "torchao_nf4"
+        out["kbit_upcast"] = lora.upcast_non_quantized and not gptq and not torchao  # peft skips it for GPTQ
+        if torchao:  # torchtune builds the whole model, adapters included, in the compute dtype
+            out["adapter_autocast"] = False
         out["gptq_group_size"] = lora.gptq_group_size if gptq else 0
     return {**request, **out}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from launcher import host_time, speed, trace
+from launcher import host_time, speed, torchao_nf4, trace
 from launcher.backends import registry
 from launcher.backends.base import Ask
 from launcher.backends.colossalai import runtime as colossalai_runtime
@@ -102,6 +102,16 @@ def variant_problem(variant: TrainingVariant, strategy, device: str) -> str:
     return backend_of(strategy).rules(strategy).peft_problem(strategy.name, variant.peft, device)
 
 
+def quant_problem(strategy: Strategy, variant: TrainingVariant) -> str:
+    """Why this strategy cannot train this variant's quantized base, or ''. A torchao NF4 base is
+    modelled as torchtune's single-device recipe builds it (launcher/torchao_nf4.py): one
+    unsharded model per process."""
+    if variant.lora is not None and variant.lora.quant_type == "torchao_nf4" and strategy.backend != "ddp":
+        return ("peft.quant_type=torchao_nf4 is modelled for unsharded models (torchtune's single-device "
+                "build); use strategy=single or ddp")
+    return ""
+
+
 def kernels_problem(config: LauncherConfig, device: str, env: Env) -> str:
     """Why the kernels a config asks for cannot run here, or ''. Liger's are Triton kernels: GPUs
     only, and the liger-kernel package (launcher/liger.py)."""
@@ -126,6 +136,8 @@ def launch_problem(strategy: Strategy, spec: ModelSpec, peft: dict | None = None
     if str((peft or {}).get("quant_type")).startswith("gptq"):
         return ("a GPTQ base is a pre-quantized checkpoint; the worker builds models from config.json and "
                 "quantizes with bitsandbytes only: estimate only")
+    if (peft or {}).get("quant_type") == "torchao_nf4":
+        return "a torchao NF4 base: the worker quantizes with bitsandbytes only (peft.quant_type=nf4): estimate only"
     if (peft or {}).get("quant_type") and any(spec.hf_config.get(k) for k in ("num_local_experts", "num_experts")):
         return ("QLoRA of 3D expert parameters: estimated 4-bit per expert, but the worker's bitsandbytes "
                 "conversion quantizes nn.Linear only: estimate only")
@@ -196,6 +208,8 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
     mem = memory_model.estimate(traces, strategy, wl, cluster, knobs, dp, attention_workspace(spec, strategy, wl),
                                 replay_memo=replay_memo)
     mem = replace(mem, notes=tuple(mem.notes) + trace.trace_notes(trace_key(spec, strategy, wl, lora)))
+    if cluster.device == "cuda" and lora is not None and lora.quant_type == "torchao_nf4":
+        mem = torchao_nf4.with_build(mem, traces, strategy, config.peft.nf4_quantize_chunk, replay_memo)
     flops = {k: traces.at_depth(lambda t, k=k: t.flops.get(k, 0.0))
              for k in ("forward", "backward", "attention_forward", "attention_backward")}
     spd = speed.estimate_speed(flops, strategy, wl, cluster, num_params=numbers["num_params"],
@@ -253,6 +267,11 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env | N
     memo, done = ReplayMemo.shared(config.cache_dir), CandidateMemo(config, spec, cluster)
     variants = training_variants(config, cluster.device)
     pairs = [(s, v) for v in variants for s in strategies_for(config, spec)]
+    for s, v in [p for p in pairs if quant_problem(*p)]:
+        if config.strategy.name != "auto":
+            raise ConfigError(f"strategy={s.name}: {quant_problem(s, v)}")
+        notes.append(f"{s.name}{'' if len(variants) == 1 else ' (' + v.label + ')'} not planned: {quant_problem(s, v)}")
+    pairs = [p for p in pairs if not quant_problem(*p)]
     for name in [n for n, t in STRATEGIES.items() if t.tp_size > 1 and config.strategy.name in ("auto", n)]:
         # an invalid tensor-parallel degree is a line, not a missing row
         notes += [f"{name} tp={t} not planned: {why}" for t, why in tp_degrees(config, spec).items() if why]

@@ -19,7 +19,8 @@ weights are replaced by their 4-bit bitsandbytes layout (launcher/quant.py). Wha
 traced, is therefore only the size of the 4-bit weights; every other storage is traced. With
 `kbit_upcast` the other parameters are cast to fp32 first, as peft's prepare_model_for_kbit_training
 does. A GPTQ base (`quant_type` gptq_*) is traced with AutoGPTQ's QuantLinear buffers and its
-dequantizing forward (launcher/gptq.py). Under DeepSpeed ZeRO-3 (`zero3_linear`) F.linear is
+dequantizing forward (launcher/gptq.py); a torchao NF4 base (`torchao_nf4`) with NF4Tensor's
+inner tensors and dequantizing forward (launcher/torchao_nf4.py). Under DeepSpeed ZeRO-3 (`zero3_linear`) F.linear is
 DeepSpeed's memory-efficient linear, which saves every Linear's input (`_zero3_linear`).
 
 Traces at two depths (`trace_set`) are cached on disk; `at_micro_batch` rebuilds the trace of
@@ -42,6 +43,7 @@ import numpy as np
 
 from launcher.environment import installed_version
 from launcher.gptq import GPTQ_BITS, gptq_stand_in
+from launcher import torchao_nf4
 from launcher.tp_shard import shard_model, shardable
 from launcher.steptrace import Kind, OpClass, ParamTable, Role, StepTrace, TraceSet
 from launcher.backends.colossalai.emit import vocab_multiple
@@ -105,7 +107,7 @@ class TraceKey:
         _check(self.checkpoint_policy, checkpointing.POLICIES, "checkpoint_policy")
         _check(self.kernels, ("torch", "liger"), "kernels")
         _check(self.trainable, ("all", "lora"), "trainable")
-        _check(self.quant_type, (None, "nf4", "fp4", "gptq_int4", "gptq_int8"), "quant_type")
+        _check(self.quant_type, (None, "nf4", "fp4", "gptq_int4", "gptq_int8", "torchao_nf4"), "quant_type")
         if self.trainable == "lora" and self.lora_r < 1:
             raise ValueError("TraceKey.trainable='lora' needs lora_r >= 1")
         if self.quant_type is not None and self.trainable != "lora":
@@ -367,6 +369,12 @@ def _apply_lora(model, key: TraceKey):
     dtype and run through the MatMul4Bit stand-in (launcher/peft.py module docstring); their
     storage bytes are replaced by the 4-bit layout in `trace_step`. Returns (model, those weights)."""
     settings = key.lora_settings()
+    if key.quant_type == "torchao_nf4":  # torchtune: the Linears that get adapters are NF4, the rest bf16
+        with lp.fake_tensor_adapter_moves():
+            model = lp.apply_lora(model, settings, autocast_adapter_dtype=key.adapter_autocast)
+        torchao_nf4.stand_in([m.base_layer for m in model.modules()
+                              if type(getattr(m, "base_layer", None)) is torch_nn_linear()])
+        return model, []
     linears = lp.quantizable_linears(model) if key.quant_type else []
     gptq = key.quant_type in GPTQ_BITS
     experts = lp.expert_parameters(model) if key.quant_type and not gptq else []
@@ -377,6 +385,12 @@ def _apply_lora(model, key: TraceKey):
     with lp.fake_tensor_adapter_moves():
         model = lp.apply_lora(model, settings, autocast_adapter_dtype=key.adapter_autocast)
     return model, ([] if gptq else lp.qlora_stand_in(linears, settings) + experts)
+
+
+def torch_nn_linear():
+    import torch
+
+    return torch.nn.Linear
 
 
 def _four_bit_rows(nbytes: list, quantized, rec: _Recorder, key: TraceKey) -> None:

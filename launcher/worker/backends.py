@@ -44,6 +44,9 @@ def check_backend(spec, world_size: int) -> None:
         raise ConfigError(f"optimizer={spec.optimizer!r} is not supported by the worker; "
                           f"use one of {', '.join(OPTIMIZERS)}")
     quant = (getattr(spec, "peft", None) or {}).get("quant_type")
+    if quant == "torchao_nf4":
+        raise ConfigError("peft.quant_type=torchao_nf4: a torchao NF4 base is planned only; the worker quantizes "
+                          "with bitsandbytes (use peft.quant_type=nf4)")
     if str(quant).startswith("gptq"):
         raise ConfigError(f"peft.quant_type={quant}: a GPTQ base is planned only; the worker quantizes with "
                           "bitsandbytes (use peft.quant_type=nf4)")

@@ -267,6 +267,9 @@ def test_unsupported_backend_and_bad_framework_config() -> None:
     with pytest.raises(ConfigError, match="GPTQ base is planned only"):
         check_backend(_spec(backend="ddp", optimizer="adamw_torch", device="cuda",
                             peft={"quant_type": "gptq_int4"}), 1)
+    with pytest.raises(ConfigError, match="torchao NF4 base is planned only"):
+        check_backend(_spec(backend="ddp", optimizer="adamw_torch", device="cuda",
+                            peft={"quant_type": "torchao_nf4"}), 1)
 
 
 def test_check_validates_a_good_spec_without_training(tmp_path: Path) -> None:
