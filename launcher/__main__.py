@@ -26,14 +26,27 @@ def single_run(argv: list[str]) -> bool:
 
 def main() -> None:
     register_schema()
+    single = single_run(sys.argv[1:])
     with cli.user_errors():
-        sys.argv = [sys.argv[0], *cli.prepare_argv(sys.argv[1:])]
-    if single_run(sys.argv[1:]):
-        # Hydra composes the whole config once only to read hydra.mode, unset here: a single run
+        sys.argv = [sys.argv[0], *cli.prepare_argv(sys.argv[1:], validate=not single)]
+    if single:
         from hydra._internal.hydra import Hydra
+        from hydra.types import RunMode
 
+        # Hydra composes the whole config once only to read hydra.mode, unset here: a single run
         if hasattr(Hydra, "get_mode"):
             Hydra.get_mode = lambda self, config_name, overrides: None
+        # the run's one composition is validated before Hydra creates the run directory
+        compose_config, argv = Hydra.compose_config, sys.argv[1:]
+
+        def checked(self, config_name, overrides, run_mode, *args, **kwargs):
+            with cli.user_errors():
+                cfg = compose_config(self, config_name, overrides, run_mode, *args, **kwargs)
+                if run_mode == RunMode.RUN:
+                    cli.check_composed(cfg, argv)
+            return cfg
+
+        Hydra.compose_config = checked
     _hydra_main()
 
 

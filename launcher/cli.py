@@ -42,8 +42,10 @@ def _fail(msg: str) -> None:
     sys.exit(ConfigError.exit_code)
 
 
-def prepare_argv(argv: list[str]) -> list[str]:
-    """Validate the overrides by composing them, and add detected defaults (hardware)."""
+def prepare_argv(argv: list[str], validate: bool = True) -> list[str]:
+    """Validate the overrides by composing them, and add detected defaults (hardware).
+    `validate=False`: the caller validates the config Hydra composes for the run instead
+    (`check_composed`), so a single run composes once."""
     register_schema()  # a -m sweep composes only in Hydra
 
     if any(a.partition("=")[0] == "recipe_from" for a in argv):  # export a finished run as a recipe
@@ -62,15 +64,37 @@ def prepare_argv(argv: list[str]) -> list[str]:
         hw, note = detect_hardware()
         argv = [*argv, f"hardware={hw}"]
         notes.append(note)
-    if "-m" not in argv and "--multirun" not in argv:
-        config = compose(argv)
-        if config.mode.name != "calibrate":  # calibration measures the machine, not a model
-            model_spec(config)  # raises on any bad key, value or model
-        if isinstance(config.resume, str):
-            fallback.check_resume(config, compose(run_overrides(config.resume)))
+    if validate and "-m" not in argv and "--multirun" not in argv:
+        check(compose(argv))
     for n in notes:
         print(wrapped(f"note: {n}"), file=sys.stderr)
     return argv
+
+
+def check(config) -> None:
+    """What composing the overrides does not check: the model (its spec) and a resumed run."""
+    if config.mode.name != "calibrate":  # calibration measures the machine, not a model
+        model_spec(config)  # raises on any bad key, value or model
+    if isinstance(config.resume, str):
+        fallback.check_resume(config, compose(run_overrides(config.resume)))
+
+
+def check_composed(cfg, argv: list[str]) -> None:
+    """`check` the config Hydra composed for a run (with its `hydra` node) before Hydra creates the
+    run directory, as `prepare_argv` checks its own composition."""
+    import copy
+
+    from omegaconf import open_dict, read_write
+
+    task = copy.deepcopy(cfg)
+    with read_write(task), open_dict(task):
+        del task["hydra"]
+    check(to_config(task, argv=_task_overrides(argv)))
+
+
+def _task_overrides(argv: list[str]) -> list[str]:
+    return [a for a in argv if not a.startswith("-")
+            and (not a.startswith("hydra.") or a.startswith("hydra.searchpath="))]
 
 
 _OVERRIDE = re.compile(r"^(~|\+{1,2})?[A-Za-z_][\w.\-@/]*(=.*)?$")
@@ -166,8 +190,7 @@ def compose(argv: list[str]):
     from hydra import initialize_config_dir
 
     register_schema()
-    overrides = [a for a in argv if not a.startswith("-")
-                 and (not a.startswith("hydra.") or a.startswith("hydra.searchpath="))]
+    overrides = _task_overrides(argv)
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = hydra_compose("config", overrides=overrides)
     return to_config(cfg, argv=overrides)
