@@ -262,6 +262,10 @@ class PeftConfig:
     nf4_quantize_chunk: int = 1048576
     """quant_type=torchao_nf4: elements per nearest-value search when a weight is quantized
     (torchao >= 0.2: 1048576, nf4tensor.py CHUNK_SIZE; 0 = the whole weight at once, torchao 0.1)."""
+    autocast_adapter_dtype: bool = True
+    """peft's get_peft_model(autocast_adapter_dtype=...): true keeps the adapters in fp32 on a 16-bit
+    model (peft's default, HF Trainer and TRL); false builds them in the model's dtype (torchtune).
+    DeepSpeed casts the whole module to its 16-bit dtype either way."""
     upcast_non_quantized: bool = True
     """QLoRA (bitsandbytes types): run peft's prepare_model_for_kbit_training, as HF Trainer, TRL and
     Axolotl QLoRA recipes do: every 16-bit parameter that is not 4-bit (embeddings, norms, LM head)

@@ -45,6 +45,8 @@ class LoraSettings:
     # QLoRA: the dtype the packed 4-bit weights are stored as (bitsandbytes quant_storage); None = uint8.
     # Sharded QLoRA stores them in the compute dtype so FSDP shards them (backends/fsdp2/rules.py)
     quant_storage: Optional[str] = None
+    # peft get_peft_model(autocast_adapter_dtype=...): False builds the adapters in the model's dtype
+    autocast_adapter_dtype: bool = True
 
     @property
     def method(self) -> str:
@@ -87,7 +89,8 @@ def settings_from_config(peft_config) -> Optional[LoraSettings]:
                         double_quant=peft_config.double_quant,
                         compute_dtype=peft_config.compute_dtype.name,
                         upcast_non_quantized=peft_config.upcast_non_quantized,
-                        gptq_group_size=peft_config.gptq_group_size)
+                        gptq_group_size=peft_config.gptq_group_size,
+                        autocast_adapter_dtype=peft_config.autocast_adapter_dtype)
 
 
 def default_target_modules(model_type: str) -> list[str]:
@@ -346,7 +349,7 @@ def trace_fields(lora: Optional[LoraSettings], adapter_autocast: bool, request: 
            "lora_dropout": lora.dropout, "lora_target_modules": tuple(lora.target_modules or ()),
            "lora_dora": lora.use_dora, "lora_modules_to_save": tuple(lora.modules_to_save or ()),
            "quant_type": lora.quant_type, "double_quant": lora.double_quant,
-           "adapter_autocast": adapter_autocast}
+           "adapter_autocast": adapter_autocast and lora.autocast_adapter_dtype}
     if lora.quant_type is not None:
         out["param_dtype"] = lora.compute_dtype
         gptq = lora.quant_type.startswith("gptq")

@@ -117,7 +117,8 @@ def apply_peft(model, spec, lora):
     base Linears by bitsandbytes 4-bit ones on the GPU and, unless `upcast_non_quantized` is off,
     runs peft's `prepare_model_for_kbit_training` as HF's QLoRA recipes do (every other 16-bit
     parameter becomes fp32). DeepSpeed casts the whole module to its 16-bit dtype itself, so peft
-    keeps the adapters in the model's dtype there."""
+    keeps the adapters in the model's dtype there, as it does everywhere with
+    `peft.autocast_adapter_dtype=false`."""
     if lora.quant_type is not None:
         model = quantize_base_4bit(model, lora, spec.device)
         if lora.upcast_non_quantized:
@@ -125,7 +126,8 @@ def apply_peft(model, spec, lora):
 
             # checkpointing is enabled by the worker itself (launcher/worker/model.py build_model)
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    return apply_lora(model, lora, autocast_adapter_dtype=spec.backend != "deepspeed")
+    autocast = spec.backend != "deepspeed" and lora.autocast_adapter_dtype
+    return apply_lora(model, lora, autocast_adapter_dtype=autocast)
 
 
 def param_bytes(model) -> int:

@@ -127,3 +127,21 @@ def test_adafactor_is_traced_like_a_real_step():
                  if torch.is_tensor(t))
     shapes = [tuple(p.shape) for p in model.parameters()]
     assert modelled_state_bytes("adafactor", shapes) == states
+
+
+@pytest.mark.parametrize("autocast", [True, False])
+def test_adapter_dtype_is_what_the_trace_is_told(autocast):
+    """peft.autocast_adapter_dtype: the worker's adapters on a bf16 model are fp32 (peft's default)
+    or bf16, and the trace key the planner builds says the same."""
+    from types import SimpleNamespace
+
+    from launcher.worker.model import apply_peft
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=320, num_hidden_layers=1)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    lora = lp.LoraSettings(r=4, alpha=8, dropout=0.0, target_modules=("q_proj",), autocast_adapter_dtype=autocast)
+    model = apply_peft(model, SimpleNamespace(backend="ddp", device="cpu"), lora)
+    dtypes = {p.dtype for n, p in model.named_parameters() if "lora_" in n}
+    assert dtypes == {torch.float32 if autocast else torch.bfloat16}
+    assert lp.trace_fields(lora, True, {})["adapter_autocast"] is autocast
