@@ -19,7 +19,13 @@ same file) each pool is one segment per stream that grows by whole pages (2 MiB 
 the free block there (if any) by the pages it lacks, and reserved is the mapped pages; every block
 is split when at least 512 B remain (`should_split` with expandable segments); best fit and
 merging are as above.
-Not modelled: streams (blocks used on a side stream are freed late), `roundup_power2_divisions`,
+Streams: every pool is per stream (`BlockPool` free lists are searched with the request's
+stream, `get_free_block` matches `p.stream()`; with expandable segments there is one segment per
+stream and pool): a block allocated on a side stream (a framework's all-gather or reduce-scatter
+stream) returns to that stream's free list and never serves the default stream, nor the other
+way round. A request names its stream; the default is 0.
+Not modelled: `record_stream` delays (frameworks that allocate on their side streams keep their
+buffers until the next collective instead, which the layouts model), `roundup_power2_divisions`,
 garbage-collection thresholds.
 """
 from __future__ import annotations
@@ -48,10 +54,11 @@ def allocation_size(size: int) -> int:
 
 
 class _Block:
-    __slots__ = ("seg", "offset", "size", "free", "prev", "next", "small")
+    __slots__ = ("seg", "offset", "size", "free", "prev", "next", "small", "pool")
 
-    def __init__(self, seg, offset, size, small):
+    def __init__(self, seg, offset, size, small, pool):
         self.seg, self.offset, self.size, self.free, self.small = seg, offset, size, True, small
+        self.pool = pool  # (stream, small)
         self.prev = self.next = None
 
     def key(self):
@@ -63,83 +70,85 @@ class CachingAllocator:
 
     def __init__(self, expandable_segments: bool = False):
         self.expandable = expandable_segments
-        self._head = {True: None, False: None}  # expandable: the first block of each pool's segment
-        self._free = {True: [], False: []}  # small? -> sorted keys
-        self._blocks = {}  # key -> block, free blocks only
+        self._head = {}  # expandable: pool -> the first block of its segment
+        self._free = {}  # pool (stream, small) -> sorted keys of its free blocks
+        self._blocks = {}  # pool -> key -> free block
         self._seg_ids = itertools.count()
         self.reserved = self.allocated = 0
         self.peak_reserved = self.peak_allocated = 0
 
-    def _insert(self, small: bool, b: _Block) -> None:
+    def _insert(self, b: _Block) -> None:
         b.free = True
-        bisect.insort(self._free[small], b.key())
-        self._blocks[b.key()] = b
+        bisect.insort(self._free.setdefault(b.pool, []), b.key())
+        self._blocks.setdefault(b.pool, {})[b.key()] = b
 
-    def _remove(self, small: bool, b: _Block) -> None:
-        keys = self._free[small]
+    def _remove(self, b: _Block) -> None:
+        keys = self._free[b.pool]
         del keys[bisect.bisect_left(keys, b.key())]
-        del self._blocks[b.key()]
+        del self._blocks[b.pool][b.key()]
         b.free = False
 
-    def malloc(self, nbytes: int) -> _Block:
+    def malloc(self, nbytes: int, stream: int = 0) -> _Block:
         size = round_size(nbytes)
         small = size <= SMALL_SIZE
-        keys = self._free[small]
+        pool = (stream, small)
+        keys = self._free.get(pool, [])
         i = bisect.bisect_left(keys, (size, -1, -1))
         if i < len(keys):
-            block = self._blocks[keys[i]]
-            self._remove(small, block)
+            block = self._blocks[pool][keys[i]]
+            self._remove(block)
         elif self.expandable:
-            block = self._grow(small, size)
+            block = self._grow(pool, size)
         else:
             seg_bytes = allocation_size(size)
-            block = _Block(next(self._seg_ids), 0, seg_bytes, small)
+            block = _Block(next(self._seg_ids), 0, seg_bytes, small, pool)
             block.free = False
             self.reserved += seg_bytes
             self.peak_reserved = max(self.peak_reserved, self.reserved)
         remaining = block.size - size
         if ((small or self.expandable) and remaining >= MIN_BLOCK) or (not small and remaining > SMALL_SIZE):
-            rest = _Block(block.seg, block.offset + size, remaining, small)
+            rest = _Block(block.seg, block.offset + size, remaining, small, pool)
             rest.prev, rest.next = block, block.next
             if block.next is not None:
                 block.next.prev = rest
             block.next, block.size = rest, size
-            self._insert(small, rest)
+            self._insert(rest)
         self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
         return block
 
-    def _grow(self, small: bool, size: int) -> _Block:
+    def _grow(self, pool: tuple, size: int) -> _Block:
         """Map pages at the end of the pool's one segment for `size` bytes: the free block at the
         end (if any) grows by the missing pages, else a new block starts there."""
+        small = pool[1]
         page = SMALL_BUFFER if small else LARGE_BUFFER
-        tail = self._head[small]  # merging keeps a segment's first block (it absorbs, never is absorbed)
+        tail = self._head.get(pool)  # merging keeps a segment's first block (it absorbs, never is absorbed)
         while tail is not None and tail.next is not None:
             tail = tail.next
         if tail is not None and tail.free:
-            self._remove(small, tail)
+            self._remove(tail)
             added = -(-(size - tail.size) // page) * page
             tail.size += added
             block = tail
         else:
             added = -(-size // page) * page
-            block = _Block(0, (tail.offset + tail.size) if tail else 0, added, small)
+            seg = tail.seg if tail is not None else next(self._seg_ids)
+            block = _Block(seg, (tail.offset + tail.size) if tail else 0, added, small, pool)
             block.free = False
             block.prev = tail
             if tail is not None:
                 tail.next = block
             else:
-                self._head[small] = block
+                self._head[pool] = block
         self.reserved += added
         self.peak_reserved = max(self.peak_reserved, self.reserved)
         return block
 
     def free(self, block: _Block) -> None:
-        small = block.small
         self.allocated -= block.size
         for nb in (block.prev, block.next):
             if nb is not None and nb.free:
-                self._remove(small, nb)
+                self._remove(nb)
                 if nb is block.prev:
                     nb.size += block.size
                     nb.next = block.next
@@ -151,17 +160,19 @@ class CachingAllocator:
                     block.next = nb.next
                     if nb.next is not None:
                         nb.next.prev = block
-        self._insert(small, block)
+        self._insert(block)
 
 
 def replay(events, expandable_segments: bool = False) -> CachingAllocator:
-    """Replay `(time, op, key, nbytes)` tuples in order: op +1 allocates `nbytes` for `key`, -1
-    frees `key` (unknown keys are ignored)."""
+    """Replay `(time, op, key, nbytes)` or `(time, op, key, nbytes, stream)` tuples in order: op +1
+    allocates `nbytes` for `key` on `stream` (default 0), -1 frees `key` (unknown keys are
+    ignored)."""
     alloc = CachingAllocator(expandable_segments)
     live = {}
-    for _, op, key, nbytes in events:
+    for e in events:
+        op, key = e[1], e[2]
         if op > 0:
-            live[key] = alloc.malloc(nbytes)
+            live[key] = alloc.malloc(e[3], e[4] if len(e) > 4 else 0)
         elif key in live:
             alloc.free(live.pop(key))
     return alloc

@@ -153,8 +153,9 @@ CPU_NOTES = (
 )
 GPU_NOTES = (
     "GPU: 512 B allocator rounding; peak reserved = peak allocated + the cache a caching-allocator "
-    "replay of the step at the deeper traced depth holds above its live bytes (single stream, "
-    "default settings); cuBLAS workspaces 2 x 8.125 MiB (32 MiB each on sm90+) in allocated.",
+    "replay of the step at the deeper traced depth holds above its live bytes (default settings; "
+    "a framework's side-stream buffers cached per stream where its layout names them: FSDP2); "
+    "cuBLAS workspaces 2 x 8.125 MiB (32 MiB each on sm90+) in allocated.",
     "device total = reserved + CUDA context (hardware setting) + NCCL per process group "
     "(544 MiB for 2 ranks, 688 MiB for more: NVIDIA/nccl issue 964, one group assumed).",
     "breakdown: parameters..buffers at the allocated peak; runtime = cuBLAS + context + NCCL.",

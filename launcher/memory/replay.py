@@ -16,27 +16,27 @@ from .runtime import cublas_workspace_allocations
 
 
 def allocation_events(layout: Layout, sm_arch: int) -> list[tuple]:
-    """(time, op, key, nbytes) for the device storages of a layout, steady state: persistent
+    """(time, op, key, nbytes, stream) for the device storages of a layout, steady state: persistent
     storages (alive from the first to the last event) are allocated once, before everything else,
     with the cuBLAS workspaces; the rest of the step is replayed twice, so the second step reuses the
     first step's segments as the real second step does. Storages left alive at the end of the first
     replay are freed before the second. At one time, frees come before allocations."""
     t, n = layout.trace, layout.num_events
-    items = [(int(layout.alloc[r]), int(layout.free[r]), ("row", r), int(t.nbytes[r]))
+    items = [(int(layout.alloc[r]), int(layout.free[r]), ("row", r), int(t.nbytes[r]), 0)
              for r in layout.mask.nonzero()[0]]
-    items += [(term.start, term.end, ("term", j), term.nbytes)
+    items += [(term.start, term.end, ("term", j), term.nbytes, term.stream)
               for j, term in enumerate(layout.terms) if not term.host]
-    events = [(-1, 1, ("cublas", j), b) for j, b in enumerate(cublas_workspace_allocations(sm_arch))]
+    events = [(-1, 1, ("cublas", j), b, 0) for j, b in enumerate(cublas_workspace_allocations(sm_arch))]
     persistent = [it for it in items if it[0] == 0 and it[1] >= n]
-    events += [(-1, 1, key, nbytes) for _, _, key, nbytes in persistent]
+    events += [(-1, 1, key, nbytes, stream) for _, _, key, nbytes, stream in persistent]
     rest = [it for it in items if not (it[0] == 0 and it[1] >= n)]
     for rep in range(2):
         step = []
-        for start, end, key, nbytes in rest:
-            step.append((start, 1, (rep, key), nbytes))
-            step.append((min(end, n), -1, (rep, key), nbytes))
+        for start, end, key, nbytes, stream in rest:
+            step.append((start, 1, (rep, key), nbytes, stream))
+            step.append((min(end, n), -1, (rep, key), nbytes, stream))
         step.sort(key=lambda e: (e[0], e[1]))
-        events += [(e[0] + rep * (n + 1), e[1], e[2], e[3]) for e in step]
+        events += [(e[0] + rep * (n + 1), *e[1:]) for e in step]
     return events
 
 
@@ -67,7 +67,7 @@ def peak_reserved_bytes(deeper: Layout, sm_arch: int, peak_allocated_bytes: int,
 
 
 _CODE = ("allocator.py", "replay.py")  # the replay's code: its text is part of every memo key
-MEMO_FORMAT = 1
+MEMO_FORMAT = 2  # 2: terms carry their stream
 
 
 class ReplayMemo:
@@ -112,7 +112,8 @@ class ReplayMemo:
         h = hashlib.blake2b(digest_size=20)
         h.update(json.dumps([MEMO_FORMAT, self._code, int(layout.num_events), bool(expandable_segments),
                              cublas_workspace_allocations(sm_arch), len(rows),
-                             [(term.start, term.end, term.nbytes) for term in layout.terms if not term.host]]
+                             [(term.start, term.end, term.nbytes, term.stream)
+                              for term in layout.terms if not term.host]]
                             ).encode())
         for arr in (layout.alloc[rows], layout.free[rows], t.nbytes[rows]):
             h.update(np.ascontiguousarray(arr, np.int64).tobytes())

@@ -237,3 +237,31 @@ def test_eight_gpus_plan_fsdp2_next_to_deepspeed_and_colossalai(cli):
     by = {(c["strategy"], c["micro_batch_size"]): c["memory"]["peak_allocated_bytes"]
           for c in plan["candidates"]}
     assert by[("fsdp2", 4)] < by[("fsdp2_grad_op", 4)]
+
+
+def test_side_stream_buffers_hold_their_own_cache():
+    """GPU reserved: FSDP2's all-gather buffers (copy-in stream) and reduce-scatter outputs
+    (reduce-scatter stream) are cached apart from the default stream's blocks, so the replay holds
+    more than with every storage on one stream, and at least one block's all-gather output more."""
+    import dataclasses
+
+    from launcher import trace
+    from launcher.backends.fsdp2.layout import fsdp2_layout, setup
+    from launcher.memory.allocator import replay
+    from launcher.memory.replay import allocation_events
+    from launcher.types import Workload
+
+    key = trace.TraceKey(hf_config_json=trace.canonical_config_json(dict(
+        model_type="llama", hidden_size=512, intermediate_size=1408, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=8, vocab_size=1024, max_position_embeddings=512)), num_layers=2, micro_batch_size=1,
+        seq_len=128, param_dtype="bfloat16", optimizer="none")
+    wl = Workload(seq_len=128, micro_batch_size=1, precision="bf16-mixed", optimizer="adamw_torch",
+                  gradient_checkpointing=False, attn_implementation="sdpa")
+    lay = fsdp2_layout(trace.trace_step(key), setup(STRATEGIES["fsdp2"], wl, 2, 0))
+    streams = {t.name: t.stream for t in lay.terms}
+    assert streams["all_gather_output"] == 1 and streams["sharded_grads"] == 2
+    assert streams["reduce_scatter_input"] == 0 and streams["unsharded_params"] == 0
+    held = lambda lay: (lambda a: a.peak_reserved - a.peak_allocated)(replay(allocation_events(lay, 80)))  # noqa: E731
+    one = dataclasses.replace(lay, terms=[dataclasses.replace(t, stream=0) for t in lay.terms])
+    block_ag = max(t.nbytes for t in lay.terms if t.name == "all_gather_output")
+    assert held(lay) >= held(one) + block_ag

@@ -131,3 +131,25 @@ def test_expandable_small_pool_uses_2mib_pages():
     for _ in range(3):
         a.malloc(900 * 1024)
     assert a.reserved == 4 * MiB  # 2700 KiB in 2 MiB pages
+
+
+def test_a_block_freed_on_one_stream_does_not_serve_another():
+    a = CachingAllocator()
+    b = a.malloc(64 * MiB, stream=1)  # e.g. an all-gather output on a side stream
+    a.free(b)
+    a.malloc(64 * MiB)  # the default stream cannot take the side stream's cached block
+    assert a.reserved == 128 * MiB
+    a.malloc(64 * MiB, stream=1)  # the side stream reuses its own
+    assert a.reserved == 128 * MiB
+
+
+def test_expandable_segments_grow_one_segment_per_stream():
+    a = CachingAllocator(expandable_segments=True)
+    x = a.malloc(30 * MiB)
+    a.free(x)
+    a.malloc(30 * MiB, stream=2)  # a new segment for stream 2: 40 MiB of 20 MiB pages
+    assert a.reserved == 80 * MiB
+    a.malloc(30 * MiB)  # the default stream's segment already maps 40 MiB
+    assert a.reserved == 80 * MiB
+    events = [(0, 1, "x", 30 * MiB, 2), (1, -1, "x", 0, 2), (2, 1, "y", 30 * MiB, 0)]
+    assert replay(events, expandable_segments=True).peak_reserved == 80 * MiB

@@ -41,6 +41,13 @@ gathers every parameter in that dtype and reduces in its reduce_dtype; without o
 gathered, reduced and its optimizer states kept in its own dtype (the all-gather then runs on bytes,
 _fsdp_collectives.py `_get_all_gather_input_metadatas`).
 
+Streams (GPU allocator replay, launcher/memory/allocator.py): with implicit prefetching the
+copy-in and the all-gather output are allocated on the all-gather copy-in stream
+(`foreach_all_gather` under `comm_ctx.get_all_gather_streams` in forward and pre-backward), the
+reduce-scatter output, whose views are the sharded gradients, on the reduce-scatter stream; the
+reduce-scatter input and the unsharded parameters and gradients on the default stream. Each stream
+caches its own blocks.
+
 Block boundaries: the trace records where the decoder layers start and end in forward and in
 backward (`StepTrace.layer_bounds`); a repeated block allocates and frees the same storages, so
 block l spans the l-th equal part of that range. FSDP2's own steps at a boundary (copy-in,
@@ -63,6 +70,7 @@ from launcher.types import Strategy
 
 ROOT = -1
 POST = 3  # virtual events of a group's post-backward (u0, u1, u2)
+AG_STREAM, RS_STREAM = 1, 2  # FSDPCommContext's all-gather copy-in and reduce-scatter streams
 
 
 @dataclass(frozen=True)
@@ -321,33 +329,34 @@ def fsdp2_layout(trace: StepTrace, s: FSDP2Setup) -> FSDP2Layout:
         lay.add("optimizer_states", "optimizer_states", local, host=s.offload)
 
     # forward: root unshard at the start, then each block's unshard at its start
-    lay.add("cast_copy", "buffers", cast_temp(root), lay.at(fs, 0), lay.at(fs, 1))
-    lay.add("all_gather_output", "buffers", ag_out(root), lay.at(fs, 0), lay.at(F[0], 1) if n else lay.start(bs))
+    lay.add("cast_copy", "buffers", cast_temp(root), lay.at(fs, 0), lay.at(fs, 1), stream=AG_STREAM)
+    lay.add("all_gather_output", "buffers", ag_out(root), lay.at(fs, 0), lay.at(F[0], 1) if n else lay.start(bs),
+            stream=AG_STREAM)
     root_end = lay.reduce_ev(0)
     lay.add("unsharded_params", "parameters", unsharded(root), lay.at(fs, 1), root_end)
     for l, g in enumerate(blocks):
         a0, a1 = lay.at(F[l], 0), lay.at(F[l], 1)
-        lay.add("cast_copy", "buffers", cast_temp(g), a0, a1)
+        lay.add("cast_copy", "buffers", cast_temp(g), a0, a1, stream=AG_STREAM)
         ag_end = lay.at(F[l + 1], 1) if l + 1 < n else lay.start(bs)
-        lay.add("all_gather_output", "buffers", ag_out(g), a0, ag_end)
+        lay.add("all_gather_output", "buffers", ag_out(g), a0, ag_end, stream=AG_STREAM)
         end = lay.start(F[l + 1]) if s.reshard_after_forward else lay.at(B[l], 0)
         lay.add("unsharded_params", "parameters", unsharded(g), a1, end)
 
     # backward
     if s.reshard_after_forward and n:
         # root pre-backward: prefetch the last block (unshard only)
-        lay.add("cast_copy", "buffers", cast_temp(blocks[-1]), lay.at(bs, 0), lay.at(bs, 1))
+        lay.add("cast_copy", "buffers", cast_temp(blocks[-1]), lay.at(bs, 0), lay.at(bs, 1), stream=AG_STREAM)
         prefetched_at = lay.at(bs, 0)
         for l in range(n - 1, -1, -1):
             g = blocks[l]
             pre = B[l + 1]  # this block's pre-backward moment
             k = 0 if l == n - 1 else POST  # after block l+1's post-backward steps at the same event
             copy_out, after_copy = lay.at(pre, k), lay.at(pre, k + 1)
-            lay.add("all_gather_output", "buffers", ag_out(g), prefetched_at, after_copy)
+            lay.add("all_gather_output", "buffers", ag_out(g), prefetched_at, after_copy, stream=AG_STREAM)
             lay.add("unsharded_params", "parameters", unsharded(g), copy_out, lay.at(B[l], 0))
             if l > 0:  # prefetch block l-1
                 h = blocks[l - 1]
-                lay.add("cast_copy", "buffers", cast_temp(h), after_copy, after_copy + 1)
+                lay.add("cast_copy", "buffers", cast_temp(h), after_copy, after_copy + 1, stream=AG_STREAM)
                 prefetched_at = after_copy
     # post-backward of each block: u0 reshard and reduce-scatter input; u1 gradients freed and
     # reduce-scatter output; u2 the last gradient freed
@@ -382,10 +391,10 @@ def _reduce_terms(lay: FSDP2Layout, trace: StepTrace, g: Group, s: FSDP2Setup, u
     W = s.world
     lay.add("reduce_scatter_input", "buffers", W * g.reduce_bytes, u0, rs_end)
     if s.offload:  # the device output is copied to the host and dropped (`new_sharded_grad.to("cpu")`)
-        lay.add("reduce_scatter_output", "gradients", g.reduce_bytes, u1, u2)
+        lay.add("reduce_scatter_output", "gradients", g.reduce_bytes, u1, u2, stream=RS_STREAM)
         lay.add("sharded_grads", "gradients", g.reduce_bytes, u1, lay.step_ev(1), host=True)
     else:
-        lay.add("sharded_grads", "gradients", g.reduce_bytes, u1, lay.step_ev(1))
+        lay.add("sharded_grads", "gradients", g.reduce_bytes, u1, lay.step_ev(1), stream=RS_STREAM)
     g_rows = (trace.kind == Kind.GRAD) & (trace.param >= 0)
     with_grad = [p for p in g.params if trace.params.trainable[p]]
     last = with_grad[-1:] if W > 1 else []
