@@ -186,3 +186,16 @@ def test_measure_compares_each_rank_with_its_own_estimate():
     rows = memory_rows(summary, {"peak_allocated_bytes": 100})
     assert [r["error_percent"] for r in rows] == [25.0, 0.0]
     assert MemoryEstimate(5, 5, 5, 0, {}, "backward").rank_peak_allocated_bytes(1) == 5
+
+
+@pytest.mark.parametrize("overlap", [None, False])
+def test_zero3_side_stream_buffers_follow_overlap_comm(overlap):
+    """With overlap_comm (stage 3's default) the gathered parameters come from the all-gather
+    stream and the reduce-scatter concatenations from reduce_and_partition_stream (allocator
+    pools per stream); without it everything is on the default stream."""
+    t = tied_embedding_trace(2)
+    layout = zero3_layout(t, zero(3, stage3_param_persistence_threshold=0, stage3_max_reuse_distance=10**9,
+                                  overlap_comm=overlap))
+    streams = {(x.name, x.stream) for x in layout.terms if x.name in ("gathered_params", "reduce_scatter_flat")}
+    assert streams == ({("gathered_params", 1), ("reduce_scatter_flat", 2)} if overlap is None
+                       else {("gathered_params", 0), ("reduce_scatter_flat", 0)})

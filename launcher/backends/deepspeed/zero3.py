@@ -7,6 +7,13 @@ Gathered parameters: when the real depth's forward and backward fit in `stage3_m
 forward fetch until its own backward and is released there (`gathered_param_terms`: on the
 per-depth curve). Otherwise parameters are re-gathered per module and `gathered_param_bytes` is
 added at full depth to the forward and backward peaks after extrapolation.
+
+Streams (GPU allocator replay, launcher/memory/allocator.py): with `overlap_comm` (stage 3's
+default) the gathered parameters are allocated on the parameter coordinator's all-gather stream
+(partitioned_param_coordinator.py `__all_gather_params_`: `all_gather_coalesced` under
+`get_accelerator().stream(self.__allgather_stream)`) and each flush's reduce-scatter
+concatenation on `reduce_and_partition_stream` (stage3.py `__reduce_and_partition_ipg_grads`);
+each stream caches its own blocks.
 """
 from __future__ import annotations
 
@@ -17,6 +24,9 @@ from launcher.steptrace import Kind, Role, StepTrace
 from launcher.memory.common import (Layout, distinct_params, free_at_next_ready, full_depth_numels,  # noqa: F401
                      grad_ready_order, optimizer_step_temp_numel, trainable_params)
 from launcher.backends.deepspeed.layout import ZeroSetup, _states, numels
+
+
+AG_STREAM, RS_STREAM = 1, 2  # the all-gather and reduce_and_partition streams (module docstring)
 
 
 def partition_numel(numel: int, dp: int) -> int:
@@ -100,7 +110,7 @@ def zero3_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
     # each flush: reduce_scatter_coalesced concatenates the padded partitions (torch.cat)
     for event, padded in flush_events(trace, z.ds.reduce_bucket_size, dp):
         at = layout.reduce_ev(0) if event is None else int(layout.ev(event))
-        layout.add("reduce_scatter_flat", "buffers", e * padded, at, at + 1)
+        layout.add("reduce_scatter_flat", "buffers", e * padded, at, at + 1, stream=RS_STREAM if z.overlap_comm else 0)
     s0, s1, s2 = layout.step_ev(0), layout.step_ev(1), layout.step_ev(2)
     largest = max(groups) if groups else 0
     if off_opt:
@@ -181,7 +191,8 @@ def gathered_param_terms(layout: Layout, trace: StepTrace, z: ZeroSetup) -> None
         if n <= z.ds.stage3_param_persistence_threshold:
             continue
         end = int(layout.ev(released[i])) + 1 if i in released else fallback
-        layout.add("gathered_params", "parameters", e * n, fetch_event(t, int(t.params.role[i])), end)
+        layout.add("gathered_params", "parameters", e * n, fetch_event(t, int(t.params.role[i])), end,
+                   stream=AG_STREAM if z.overlap_comm else 0)
 
 
 def module_backward_events(trace: StepTrace, ready: dict) -> dict:
