@@ -41,6 +41,9 @@ Optimizer = _enum(
 Attention = _enum(
     "Attention", ["eager", "sdpa", "flash_attention_2"], "transformers' attn_implementation."
 )
+CausalLmLoss = _enum("CausalLmLoss", ["model", "fp32_shift_copy"],
+                     "model: the installed transformers' causal-LM loss; fp32_shift_copy: transformers "
+                     "4.37-4.45's (fp32 logits returned by the model and a shifted contiguous copy).")
 CheckpointPolicy = _enum(
     "CheckpointPolicy", ["full", "selective_op"],
     "What a checkpointed decoder layer keeps (launcher/checkpointing.py): full = only its inputs, "
@@ -196,6 +199,12 @@ class TrainingConfig:
     """Liger-Kernel's Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy that never
     materialises the logits), as HF Trainer's use_liger_kernel applies them; llama, mistral and
     qwen2 models, GPUs with the liger-kernel package (launcher/liger.py)."""
+    causal_lm_loss: CausalLmLoss = CausalLmLoss["model"]  # type: ignore[valid-type]
+    """The causal-LM loss path: model = the installed transformers' (its ForCausalLMLoss upcasts the
+    logits to fp32 inside the loss); fp32_shift_copy = transformers 4.37-4.45's causal-LM forwards
+    (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM...: `logits = logits.float()` in the
+    model, then `logits[..., :-1, :].contiguous()` before CrossEntropyLoss), for planning runs of
+    those versions; the worker runs the installed one, so such a plan is an estimate only."""
     checkpoint_policy: CheckpointPolicy = CheckpointPolicy["full"]  # type: ignore[valid-type]
     """With gradient_checkpointing: what each checkpointed layer keeps (full | selective_op,
     torchtitan's `activation_checkpoint.mode=selective, selective_ac_option=op`)."""

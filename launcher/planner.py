@@ -78,7 +78,8 @@ def workload(config: LauncherConfig, spec: ModelSpec, micro: int) -> Workload:
     return Workload(seq_len=t.seq_len, micro_batch_size=micro, precision=t.precision.name,
                     optimizer=t.optimizer.name, gradient_checkpointing=t.gradient_checkpointing,
                     attn_implementation=effective_attention(spec, t.attn_implementation.name)[0],
-                    checkpoint_policy=t.checkpoint_policy.name, kernels="liger" if t.liger_kernel else "torch")
+                    checkpoint_policy=t.checkpoint_policy.name, kernels="liger" if t.liger_kernel else "torch",
+                    causal_lm_loss=t.causal_lm_loss.name)
 
 
 def ask(config: LauncherConfig, cluster: Cluster, env: Env, peft: str = "none") -> Ask:
@@ -114,7 +115,11 @@ def quant_problem(strategy: Strategy, variant: TrainingVariant) -> str:
 
 def kernels_problem(config: LauncherConfig, device: str, env: Env) -> str:
     """Why the kernels a config asks for cannot run here, or ''. Liger's are Triton kernels: GPUs
-    only, and the liger-kernel package (launcher/liger.py)."""
+    only, and the liger-kernel package (launcher/liger.py). Another transformers version's loss
+    (training.causal_lm_loss) is planned, never run."""
+    if config.training.causal_lm_loss.name != "model":
+        return (f"training.causal_lm_loss={config.training.causal_lm_loss.name} plans another transformers "
+                "version's loss; the worker runs the installed one: estimate only")
     if not config.training.liger_kernel:
         return ""
     if device != "cuda":
@@ -172,7 +177,7 @@ def trace_key(spec: ModelSpec, strategy: Strategy, wl: Workload, lora=None):
                                                                                 wl.attn_implementation),
                           gradient_checkpointing=wl.gradient_checkpointing,
                           checkpoint_policy=wl.checkpoint_policy if wl.gradient_checkpointing else "full",
-                          kernels=wl.kernels,
+                          kernels=wl.kernels, loss=wl.causal_lm_loss,
                           **request)
 
 

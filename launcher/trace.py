@@ -81,6 +81,7 @@ class TraceKey:
     gradient_checkpointing: bool = False
     checkpoint_policy: str = "full"  # with gradient_checkpointing: launcher/checkpointing.py POLICIES
     kernels: str = "torch"  # torch | liger: Liger's Triton kernels, traced as launcher/liger.py's stand-ins
+    loss: str = "model"  # model | fp32_shift_copy: transformers 4.37-4.45's causal-LM loss (`_loss`)
     optimizer: str = "adamw_foreach"  # adamw_foreach | adamw_single | adamw_fused | sgd | none
     trainable: str = "all"  # 'all' parameters train | 'lora': peft LoRA adapters on a frozen base
     # --- trainable='lora' (launcher/peft.py LoraSettings): the peft.LoraConfig applied in the trace
@@ -106,6 +107,7 @@ class TraceKey:
         _check(self.optimizer, OPTIMIZERS, "optimizer")
         _check(self.checkpoint_policy, checkpointing.POLICIES, "checkpoint_policy")
         _check(self.kernels, ("torch", "liger"), "kernels")
+        _check(self.loss, ("model", "fp32_shift_copy"), "loss")
         _check(self.trainable, ("all", "lora"), "trainable")
         _check(self.quant_type, (None, "nf4", "fp4", "gptq_int4", "gptq_int8", "torchao_nf4"), "quant_type")
         if self.trainable == "lora" and self.lora_r < 1:
@@ -312,6 +314,15 @@ def _loss(model, ids, key: TraceKey):
     if key.tp_size > 1:
         logits = model(input_ids=ids).logits
         return vocab_parallel_loss(logits, ids)
+    if key.loss == "fp32_shift_copy" and key.kernels != "liger":
+        # transformers 4.37-4.45, LlamaForCausalLM.forward (and Mistral's, Qwen2's...): `logits =
+        # logits.float()`, then `shift_logits = logits[..., :-1, :].contiguous()` into
+        # CrossEntropyLoss; HF Trainer's compute_loss drops the outputs before backward
+        import torch
+
+        logits = model(input_ids=ids).logits.float()
+        shift = logits[..., :-1, :].contiguous()
+        return torch.nn.functional.cross_entropy(shift.view(-1, shift.shape[-1]), ids[..., 1:].contiguous().view(-1))
     return model(input_ids=ids, labels=ids).loss
 
 
@@ -728,7 +739,7 @@ def _cache_key(key: TraceKey) -> str:
         # unset: the key hashes as before the field existed
         if not fields.get(name):
             fields.pop(name, None)
-    for name, default in (("checkpoint_policy", "full"), ("kernels", "torch")):
+    for name, default in (("checkpoint_policy", "full"), ("kernels", "torch"), ("loss", "model")):
         if fields.get(name) == default:  # the default hashes as before the field existed
             del fields[name]
     if fields.get("tp_size") == 1:  # keys without tensor parallelism hash as before tp_size existed

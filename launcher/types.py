@@ -17,6 +17,7 @@ class Workload:
     attn_implementation: str  # eager | sdpa | flash_attention_2
     checkpoint_policy: str = "full"  # with gradient_checkpointing: full | selective_op (launcher/checkpointing.py)
     kernels: str = "torch"  # torch | liger (training.liger_kernel; launcher/liger.py)
+    causal_lm_loss: str = "model"  # model | fp32_shift_copy (training.causal_lm_loss)
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,25 @@ def train_one_step(model, key, opt, vocab_size: int) -> None:
     ids = torch.randint(0, vocab_size, (key.micro_batch_size, key.seq_len))
     with torch.autocast("cpu", dtype=getattr(torch, key.autocast_dtype or "float32"),
                         enabled=key.autocast_dtype is not None):
-        loss = model(input_ids=ids, labels=ids).loss
+        if getattr(key, "loss", "model") == "fp32_shift_copy":
+            loss = _transformers_4_44_loss(model, ids)
+        else:
+            loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     del loss
     if opt is not None:
         opt.step()
     (opt or model).zero_grad(set_to_none=True)
+
+
+def _transformers_4_44_loss(model, labels):
+    """LlamaForCausalLM.forward's loss lines in transformers 4.44 (models/llama/modeling_llama.py),
+    with the outputs dropped before backward as HF Trainer's compute_loss does."""
+    logits = model(input_ids=labels).logits
+    logits = logits.float()
+    shift_logits = logits[..., :-1, :].contiguous()
+    shift_labels = labels[..., 1:].contiguous()
+    loss_fct = torch.nn.CrossEntropyLoss()
+    shift_logits = shift_logits.view(-1, model.config.vocab_size)
+    shift_labels = shift_labels.view(-1)
+    return loss_fct(shift_logits, shift_labels)

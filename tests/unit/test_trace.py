@@ -96,6 +96,23 @@ def test_selective_op_checkpointing_peak_equals_memtracker(attn, precision):
     assert peaks[True, "full"] < peaks[True, "selective_op"] < peaks[False, "full"], peaks
 
 
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
+def test_transformers_4_44_loss_peak_equals_memtracker(precision):
+    """training.causal_lm_loss=fp32_shift_copy: the fp32 logits the model returns and their shifted
+    copy, traced as transformers 4.44's forward computes them, against the real step; at this
+    vocabulary the forward peak exceeds the installed transformers' loss path."""
+    pd, ad = PRECISIONS[precision]
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=4096, num_hidden_layers=2)
+    k = key(cfg, param_dtype=pd, autocast_dtype=ad, attn_implementation="sdpa",
+            optimizer="none", loss="fp32_shift_copy")
+    t = tr.trace_step(k)
+    real, _ = real_step(k)
+    assert abs(t.live_curve().max() - real) <= 0.01 * real, (t.live_curve().max(), real)
+    installed = tr.trace_step(dataclasses.replace(k, loss="model"))
+    assert t.phase_max(t.live_curve(), "forward") > installed.phase_max(installed.live_curve(), "forward")
+
+
 @pytest.mark.parametrize("optimizer", ["adamw_single", "adamw_fused", "sgd"])
 def test_peak_per_optimizer_equals_memtracker(optimizer):
     k = key(llama(), seq_len=32, optimizer=optimizer)
