@@ -296,10 +296,13 @@ class TrainingVariant:
 
     @property
     def peft(self) -> str:
-        """The capability-table name of what it trains: none | lora | qlora."""
+        """The capability-table name of what it trains: none | lora | qlora. A GPTQ checkpoint's
+        base is frozen QuantLinear buffers (integer weights, fp16 scales) that a framework holds
+        and casts as it holds a frozen 16-bit module, so it is LoRA to the capability tables
+        (Qwen's Q-LoRA recipe runs it under DeepSpeed ZeRO-2); bitsandbytes 4-bit weights are not."""
         if self.lora is None:
             return "none"
-        return "lora" if self.lora.quant_type is None else "qlora"
+        return "lora" if self.lora.quant_type is None or self.lora.quant_type.startswith("gptq") else "qlora"
 
     @property
     def label(self) -> str:

@@ -106,10 +106,14 @@ def variant_problem(variant: TrainingVariant, strategy, device: str) -> str:
 def quant_problem(strategy: Strategy, variant: TrainingVariant) -> str:
     """Why this strategy cannot train this variant's quantized base, or ''. A torchao NF4 base is
     modelled as torchtune's single-device recipe builds it (launcher/torchao_nf4.py): one
-    unsharded model per process."""
-    if variant.lora is not None and variant.lora.quant_type == "torchao_nf4" and strategy.backend != "ddp":
+    unsharded model per process. A GPTQ base is modelled where its recipes run it."""
+    quant = variant.lora.quant_type if variant.lora is not None else None
+    if quant == "torchao_nf4" and strategy.backend != "ddp":
         return ("peft.quant_type=torchao_nf4 is modelled for unsharded models (torchtune's single-device "
                 "build); use strategy=single or ddp")
+    if str(quant).startswith("gptq") and strategy.backend not in ("ddp", "deepspeed"):
+        return (f"peft.quant_type={quant} is modelled under torch DDP and DeepSpeed (as GPTQ's LoRA recipes "
+                "run it); use strategy=single, ddp or zero0-3")
     return ""
 
 

@@ -60,3 +60,24 @@ def test_traced_gptq_buffers_are_the_counted_bytes():
     assert buffers(t) - buffers(plain) == expected  # the model's own buffers (rotary) are in both
     names = t.params.names
     assert not any(n.endswith("proj.weight") or n.endswith("base_layer.weight") for n in names)
+
+
+def test_gptq_base_plans_under_deepspeed_as_its_recipes_run_it():
+    """A GPTQ base is frozen QuantLinear buffers: DeepSpeed ZeRO-2 (Qwen's Q-LoRA script) plans
+    it with its own buckets, estimate only; FSDP2 is refused in one line."""
+    from launcher import app, cli, planner
+    from launcher.errors import ConfigError
+    from launcher.hardware import cluster_from
+
+    args = ["model=qwen2.5-0.5b", "hardware=a100-80g", "gpus=1", "peft=qlora", "peft.quant_type=gptq_int4",
+            "peft.compute_dtype=float16", "training.precision=16-mixed", "training.seq_len=64",
+            "training.micro_batch_size=2", "mode=plan"]
+    config = cli.compose([*args, "strategy=zero2", "deepspeed.reduce_bucket_size=1000000"])
+    spec = app.model_spec(config)
+    plan = planner.plan(config, spec, cluster_from(config.hardware, config.gpus, config.nodes))
+    (cand,) = [c for c in plan.candidates if c.micro_batch_size == 2]
+    assert cand.strategy.name == "zero2" and cand.peft["quant_type"] == "gptq_int4"
+    assert "GPTQ base" in cand.reason and plan.chosen is None
+    config = cli.compose([*args, "strategy=fsdp2"])
+    with pytest.raises(ConfigError, match="gptq_int4 is modelled under torch DDP and DeepSpeed"):
+        planner.plan(config, spec, cluster_from(config.hardware, config.gpus, config.nodes))
