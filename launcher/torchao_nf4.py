@@ -128,6 +128,14 @@ def _weight(m):
                            (m.out_features, m.in_features))
 
 
+def adapted_linears(model) -> list:
+    """The nn.Linear each LoRA layer of a peft model wraps (its `base_layer`): torchtune's NF4
+    weights (module docstring)."""
+    import torch
+
+    return [m.base_layer for m in model.modules() if type(getattr(m, "base_layer", None)) is torch.nn.Linear]
+
+
 def stand_in(linears) -> None:
     """Turn each bf16 nn.Linear (no bias: torchtune's LoRALinear refuses one) into an NF4 Linear:
     its weight is dropped, the NF4 inner tensors are registered as buffers of their real shapes

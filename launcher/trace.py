@@ -383,8 +383,7 @@ def _apply_lora(model, key: TraceKey):
     if key.quant_type == "torchao_nf4":  # torchtune: the Linears that get adapters are NF4, the rest bf16
         with lp.fake_tensor_adapter_moves():
             model = lp.apply_lora(model, settings, autocast_adapter_dtype=key.adapter_autocast)
-        torchao_nf4.stand_in([m.base_layer for m in model.modules()
-                              if type(getattr(m, "base_layer", None)) is torch_nn_linear()])
+        torchao_nf4.stand_in(torchao_nf4.adapted_linears(model))
         return model, []
     linears = lp.quantizable_linears(model) if key.quant_type else []
     gptq = key.quant_type in GPTQ_BITS
@@ -396,12 +395,6 @@ def _apply_lora(model, key: TraceKey):
     with lp.fake_tensor_adapter_moves():
         model = lp.apply_lora(model, settings, autocast_adapter_dtype=key.adapter_autocast)
     return model, ([] if gptq else lp.qlora_stand_in(linears, settings) + experts)
-
-
-def torch_nn_linear():
-    import torch
-
-    return torch.nn.Linear
 
 
 def _four_bit_rows(nbytes: list, quantized, rec: _Recorder, key: TraceKey) -> None:
