@@ -64,24 +64,30 @@ def prepare_argv(argv: list[str], validate: bool = True) -> list[str]:
         hw, note = detect_hardware()
         argv = [*argv, f"hardware={hw}"]
         notes.append(note)
-    if validate and "-m" not in argv and "--multirun" not in argv:
-        check(compose(argv))
+    if (validate or _resuming(argv)) and "-m" not in argv and "--multirun" not in argv:
+        check(compose(argv))  # a resumed run also composes its earlier run's overrides (`check`)
     for n in notes:
         print(wrapped(f"note: {n}"), file=sys.stderr)
     return argv
 
 
-def check(config) -> None:
+def check(config, resume: bool = True) -> None:
     """What composing the overrides does not check: the model (its spec) and a resumed run."""
     if config.mode.name != "calibrate":  # calibration measures the machine, not a model
         model_spec(config)  # raises on any bad key, value or model
-    if isinstance(config.resume, str):
+    if resume and isinstance(config.resume, str):
         fallback.check_resume(config, compose(run_overrides(config.resume)))
+
+
+def _resuming(argv: list[str]) -> bool:
+    return any(a.partition("=")[0].lstrip("+~") == "resume" and a.partition("=")[2].lower() not in ("", "false")
+               for a in argv)
 
 
 def check_composed(cfg, argv: list[str]) -> None:
     """`check` the config Hydra composed for a run (with its `hydra` node) before Hydra creates the
-    run directory, as `prepare_argv` checks its own composition."""
+    run directory, as `prepare_argv` checks its own composition; a resumed run was checked there
+    (composing its earlier run's overrides needs Hydra's global state, which the run holds now)."""
     import copy
 
     from omegaconf import open_dict, read_write
@@ -89,7 +95,7 @@ def check_composed(cfg, argv: list[str]) -> None:
     task = copy.deepcopy(cfg)
     with read_write(task), open_dict(task):
         del task["hydra"]
-    check(to_config(task, argv=_task_overrides(argv)))
+    check(to_config(task, argv=_task_overrides(argv)), resume=False)
 
 
 def _task_overrides(argv: list[str]) -> list[str]:
