@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from launcher import host_time, speed, torchao_nf4, trace
+from launcher import host_time, speed, trace
 from launcher.backends import registry
 from launcher.backends.base import Ask
 from launcher.backends.colossalai import runtime as colossalai_runtime
@@ -21,6 +21,7 @@ from launcher.environment import Env, detect
 from launcher.errors import ConfigError
 from launcher.margin import confidence_note
 from launcher.memory import estimate as memory_model
+from launcher.memory import torchao_build
 from launcher.memory.replay import ReplayMemo
 from launcher.memory.runtime import flash_attention_backward_bytes
 from launcher.model import ModelSpec, effective_attention
@@ -218,7 +219,7 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
                                 replay_memo=replay_memo)
     mem = replace(mem, notes=tuple(mem.notes) + trace.trace_notes(trace_key(spec, strategy, wl, lora)))
     if cluster.device == "cuda" and lora is not None and lora.quant_type == "torchao_nf4":
-        mem = torchao_nf4.with_build(mem, traces, strategy, config.peft.nf4_quantize_chunk, replay_memo)
+        mem = torchao_build.with_build(mem, traces, config.peft.nf4_quantize_chunk, replay_memo)
     flops = {k: traces.at_depth(lambda t, k=k: t.flops.get(k, 0.0))
              for k in ("forward", "backward", "attention_forward", "attention_backward")}
     spd = speed.estimate_speed(flops, strategy, wl, cluster, num_params=numbers["num_params"],

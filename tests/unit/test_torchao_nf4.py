@@ -1,4 +1,4 @@
-"""torchao NF4 bases (launcher/torchao_nf4.py): the ported quantization is a working NF4 codec
+"""torchao NF4 bases (launcher/torchao_nf4.py, launcher/memory/torchao_build.py): the ported quantization is a working NF4 codec
 (checked on real tensors against an independent nearest-code search), the trace holds the NF4
 inner tensors on exactly the adapted Linears, and the model build's allocator replay shows the
 mechanism its sources describe: torchao 0.1's whole-tensor nearest-value search caches blocks of
@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from launcher import torchao_nf4 as nf4  # noqa: E402
 from launcher import trace as tr  # noqa: E402
+from launcher.memory import torchao_build as build  # noqa: E402
 from launcher.memory.allocator import replay  # noqa: E402
 from launcher.steptrace import Kind  # noqa: E402
 
@@ -39,7 +40,7 @@ def test_quantize_then_dequantize_is_the_nearest_nf4_code(chunk):
 
 def test_recorded_quantization_keeps_the_counted_bytes():
     n = 64 * 256 * 8
-    rows, kept = nf4.quantize_rows(n, 0, False)
+    rows, kept = build.quantize_rows(n, 0, False)
     assert sum(rows[i][2] for i in kept) == nf4.storage_bytes(n)
     assert all(rows[i][1] < 0 for i in kept) and all(r[1] >= 0 for i, r in enumerate(rows) if i not in kept)
 
@@ -47,8 +48,8 @@ def test_recorded_quantization_keeps_the_counted_bytes():
 def test_whole_tensor_search_caches_what_the_chunked_search_does_not():
     n = 4096 * 4096  # one 4096 x 4096 projection, 16.8 M elements: 64 bytes each is 1 GiB
     common = dict(num_layers=2, other_layer_bytes=0, embedding_bytes=0, head_bytes=0)
-    whole = replay(nf4.build_load_events([n, n], chunk=0, **common))
-    chunked = replay(nf4.build_load_events([n, n], chunk=nf4.CHUNK_TORCHAO_0_2, **common))
+    whole = replay(build.build_load_events([n, n], chunk=0, **common))
+    chunked = replay(build.build_load_events([n, n], chunk=nf4.CHUNK_TORCHAO_0_2, **common))
     resident = 2 * 2 * nf4.storage_bytes(n)  # two layers of two NF4 weights, after the load
     assert whole.peak_reserved >= resident + 64 * n
     # chunked, the largest temporaries are get_original_weight's (both nibbles widened to int64,
@@ -73,5 +74,5 @@ def test_traced_nf4_buffers_are_on_the_adapted_linears_only():
                                 "down_proj.base_layer.weight")) for n in names)
     assert sum(n.endswith(("k_proj.weight", "o_proj.weight", "gate_proj.weight", "up_proj.weight"))
                for n in names) == 2 * 4  # not adapted: bf16 parameters as in torchtune
-    shape = nf4.build_shape(t)
+    shape = build.build_shape(t)
     assert shape["layer_numels"] == adapted
