@@ -276,12 +276,16 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env | N
     numbers: dict = {}
     memo, done = ReplayMemo.shared(config.cache_dir), CandidateMemo(config, spec, cluster)
     variants = training_variants(config, cluster.device)
-    pairs = [(s, v) for v in variants for s in strategies_for(config, spec)]
-    for s, v in [p for p in pairs if quant_problem(*p)]:
-        if config.strategy.name != "auto":
-            raise ConfigError(f"strategy={s.name}: {quant_problem(s, v)}")
-        notes.append(f"{s.name}{'' if len(variants) == 1 else ' (' + v.label + ')'} not planned: {quant_problem(s, v)}")
-    pairs = [p for p in pairs if not quant_problem(*p)]
+    pairs = []
+    for v in variants:
+        for s in strategies_for(config, spec):
+            why = quant_problem(s, v)
+            if why and config.strategy.name != "auto":
+                raise ConfigError(f"strategy={s.name}: {why}")
+            if why:
+                notes.append(f"{s.name}{'' if len(variants) == 1 else ' (' + v.label + ')'} not planned: {why}")
+            else:
+                pairs.append((s, v))
     for name in [n for n, t in STRATEGIES.items() if t.tp_size > 1 and config.strategy.name in ("auto", n)]:
         # an invalid tensor-parallel degree is a line, not a missing row
         notes += [f"{name} tp={t} not planned: {why}" for t, why in tp_degrees(config, spec).items() if why]

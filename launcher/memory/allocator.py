@@ -54,11 +54,11 @@ def allocation_size(size: int) -> int:
 
 
 class _Block:
-    __slots__ = ("seg", "offset", "size", "free", "prev", "next", "small", "pool")
+    __slots__ = ("seg", "offset", "size", "free", "prev", "next", "pool")
 
-    def __init__(self, seg, offset, size, small, pool):
-        self.seg, self.offset, self.size, self.free, self.small = seg, offset, size, True, small
-        self.pool = pool  # (stream, small)
+    def __init__(self, seg, offset, size, pool):
+        self.seg, self.offset, self.size, self.free = seg, offset, size, True
+        self.pool = pool  # (stream, small pool?)
         self.prev = self.next = None
 
     def key(self):
@@ -101,13 +101,13 @@ class CachingAllocator:
             block = self._grow(pool, size)
         else:
             seg_bytes = allocation_size(size)
-            block = _Block(next(self._seg_ids), 0, seg_bytes, small, pool)
+            block = _Block(next(self._seg_ids), 0, seg_bytes, pool)
             block.free = False
             self.reserved += seg_bytes
             self.peak_reserved = max(self.peak_reserved, self.reserved)
         remaining = block.size - size
         if ((small or self.expandable) and remaining >= MIN_BLOCK) or (not small and remaining > SMALL_SIZE):
-            rest = _Block(block.seg, block.offset + size, remaining, small, pool)
+            rest = _Block(block.seg, block.offset + size, remaining, pool)
             rest.prev, rest.next = block, block.next
             if block.next is not None:
                 block.next.prev = rest
@@ -133,7 +133,7 @@ class CachingAllocator:
         else:
             added = -(-size // page) * page
             seg = tail.seg if tail is not None else next(self._seg_ids)
-            block = _Block(seg, (tail.offset + tail.size) if tail else 0, added, small, pool)
+            block = _Block(seg, (tail.offset + tail.size) if tail else 0, added, pool)
             block.free = False
             block.prev = tail
             if tail is not None:
