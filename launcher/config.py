@@ -234,8 +234,8 @@ QuantType = _enum("QuantType", ["nf4", "fp4", "gptq_int4", "gptq_int8", "torchao
                   "(peft.nf4_quantize_chunk). GPTQ and torchao bases are planned but not trained by the worker.")
 ComputeDtype = _enum("ComputeDtype", ["bfloat16", "float16"], "bnb_4bit_compute_dtype for QLoRA.")
 InferPrecision = _enum(
-    "InferPrecision", ["bf16", "fp16", "int8", "nf4", "fp4", "gptq_int4", "gptq_int8"],
-    "Serving weights: 16-bit, LLM.int8 (bitsandbytes Int8Params), bitsandbytes 4-bit, or a GPTQ "
+    "InferPrecision", ["bf16", "fp16", "fp32", "int8", "nf4", "fp4", "gptq_int4", "gptq_int8"],
+    "Serving weights: 16-bit, fp32 (transformers' default load dtype), LLM.int8 (bitsandbytes Int8Params), bitsandbytes 4-bit, or a GPTQ "
     "checkpoint (auto-gptq QuantLinear, group size 128).")
 
 

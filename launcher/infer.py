@@ -1,4 +1,4 @@
-"""Per-GPU memory of serving a decoder LLM with transformers' `generate`: weights (16-bit or
+"""Per-GPU memory of serving a decoder LLM with transformers' `generate`: weights (16-bit, fp32 or
 bitsandbytes int8/nf4/fp4), KV cache, and the activations of the largest forward.
 
 `estimate_inference` is pure arithmetic on an `InferenceSpec` of plain numbers; `inference_spec_from_hf_config`
@@ -26,11 +26,18 @@ from dataclasses import dataclass
 from launcher import quant
 from launcher.gptq import GPTQ_BITS, KERNEL_SWITCH_THRESHOLD, gptq_weight_bytes
 
-PRECISIONS = ("bf16", "fp16", "int8", "nf4", "fp4", "gptq_int4", "gptq_int8")
+PRECISIONS = ("bf16", "fp16", "fp32", "int8", "nf4", "fp4", "gptq_int4", "gptq_int8")
 GPTQ_GROUP_SIZE = 128  # the group size of published GPTQ checkpoints (quantize_config.json), e.g. Qwen's Int4/Int8
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 HALF_BYTES = 2
 FP32_BYTES = 4
+
+
+def value_bytes(precision: str) -> int:
+    """Bytes of one unquantized weight, activation or cache value: 4 when the model is served in
+    fp32 (from_pretrained(torch_dtype=torch.float32), transformers' default load dtype), else 2 (the
+    16-bit load dtype, which the quantized types also keep for what they do not quantize)."""
+    return FP32_BYTES if precision == "fp32" else HALF_BYTES
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,7 @@ def weight_bytes(spec: InferenceSpec, precision: str, tp_size: int = 1, blocksiz
     and 2 bytes otherwise; see the module docstring for what is kept 16-bit and what TP splits."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    dense = value_bytes(precision)
     linear = 0
     for out_features, in_features in spec.linear_weight_shapes:
         shard_out = -(-out_features // tp_size)
@@ -92,12 +100,12 @@ def weight_bytes(spec: InferenceSpec, precision: str, tp_size: int = 1, blocksiz
         elif precision in GPTQ_BITS:  # QuantLinear buffers; its fp16 bias is counted with the others
             linear += gptq_weight_bytes(in_features, shard_out, GPTQ_BITS[precision], GPTQ_GROUP_SIZE)
         else:
-            linear += shard_out * in_features * HALF_BYTES
+            linear += shard_out * in_features * dense
     out = {
         "linear_weight_bytes": linear,
-        "embedding_bytes": spec.embedding_params * HALF_BYTES,
-        "head_bytes": -(-spec.head_params // tp_size) * HALF_BYTES,
-        "other_weight_bytes": spec.other_params * HALF_BYTES,
+        "embedding_bytes": spec.embedding_params * dense,
+        "head_bytes": -(-spec.head_params // tp_size) * dense,
+        "other_weight_bytes": spec.other_params * dense,
     }
     out["total_bytes"] = sum(out.values())
     return out
@@ -128,20 +136,22 @@ def forward_activation_bytes(spec: InferenceSpec, precision: str, batch_size: in
     tokens = batch_size * query_len
     heads = max(1, spec.num_attention_heads // tp_size)
     kv_heads = kv_heads_per_gpu(spec.num_key_value_heads, tp_size)
-    residual = 2 * tokens * spec.hidden_size * HALF_BYTES
-    attention = tokens * (2 * heads + 2 * kv_heads) * spec.head_dim * HALF_BYTES
-    if attn_implementation == "eager":
-        attention += batch_size * heads * query_len * key_len * (2 * HALF_BYTES + FP32_BYTES)
-        attention += 2 * batch_size * heads * key_len * spec.head_dim * HALF_BYTES  # repeat_kv copies
-    mlp = (3 if spec.gated_mlp else 2) * tokens * -(-spec.intermediate_size // tp_size) * HALF_BYTES
+    v = value_bytes(precision)
+    residual = 2 * tokens * spec.hidden_size * v
+    attention = tokens * (2 * heads + 2 * kv_heads) * spec.head_dim * v
+    if attn_implementation == "eager":  # an fp32 model's softmax result is already fp32: no third copy
+        scores = v + FP32_BYTES + (v if v != FP32_BYTES else 0)
+        attention += batch_size * heads * query_len * key_len * scores
+        attention += 2 * batch_size * heads * key_len * spec.head_dim * v  # repeat_kv copies
+    mlp = (3 if spec.gated_mlp else 2) * tokens * -(-spec.intermediate_size // tp_size) * v
     kept = query_len if logits_to_keep == 0 else min(logits_to_keep, query_len)
-    head = batch_size * spec.vocab_size * (kept * HALF_BYTES + FP32_BYTES)
+    head = batch_size * spec.vocab_size * (kept * v + FP32_BYTES)
     return max(residual + attention, residual + mlp, head) + _matmul_temp_bytes(spec, precision, tokens, tp_size)
 
 
 def _matmul_temp_bytes(spec: InferenceSpec, precision: str, tokens: int, tp_size: int) -> int:
     """Transient of one quantized matmul (see forward_activation_bytes)."""
-    if not spec.linear_weight_shapes or precision in ("bf16", "fp16"):
+    if not spec.linear_weight_shapes or precision in ("bf16", "fp16", "fp32"):
         return 0
     if precision == "int8":
         return max(tokens * (i + FP32_BYTES * -(-o // tp_size)) + tokens * FP32_BYTES
@@ -156,7 +166,7 @@ def _matmul_temp_bytes(spec: InferenceSpec, precision: str, tokens: int, tp_size
 
 def estimate_inference(spec: InferenceSpec, precision: str, batch_size: int, prompt_len: int, gen_len: int,
                        tp_size: int = 1, attn_implementation: str = "sdpa", blocksize: int = 64,
-                       double_quant: bool = False, kv_bytes_per_value: int = HALF_BYTES) -> dict:
+                       double_quant: bool = False, kv_bytes_per_value: int | None = None) -> dict:
     """Per-GPU bytes of `generate(batch_size x prompt_len, max_new_tokens=gen_len)` with a DynamicCache.
 
     peak = weights + max(prefill, last decode step), where
@@ -165,6 +175,7 @@ def estimate_inference(spec: InferenceSpec, precision: str, batch_size: int, pro
     K (or V) being re-allocated: DynamicLayer.update grows the cache with torch.cat, so old and new
     tensors are both alive (transformers/cache_utils.py)."""
     total_tokens = prompt_len + gen_len
+    kv_bytes_per_value = kv_bytes_per_value or value_bytes(precision)  # DynamicCache keeps the model's dtype
     weights = weight_bytes(spec, precision, tp_size, blocksize, double_quant)
     kv_full = kv_cache_bytes(spec, batch_size, total_tokens, tp_size, kv_bytes_per_value)
     kv_prompt = kv_cache_bytes(spec, batch_size, prompt_len, tp_size, kv_bytes_per_value)

@@ -132,7 +132,7 @@ def _loaded_weight_bytes(model) -> int:
 
 
 @pytest.mark.parametrize("precision,double_quant", [("nf4", True), ("fp4", False), ("int8", False),
-                                                    ("bf16", False)])
+                                                    ("bf16", False), ("fp32", False)])
 def test_weights_match_transformers_bitsandbytes_load(tiny_llama_dir, precision, double_quant):
     pytest.importorskip("bitsandbytes")
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -147,17 +147,20 @@ def test_weights_match_transformers_bitsandbytes_load(tiny_llama_dir, precision,
         qconfig = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=qconfig,
-                                                     dtype=torch.bfloat16, device_map="cpu")
+        model = AutoModelForCausalLM.from_pretrained(
+            tiny_llama_dir, quantization_config=qconfig, device_map="cpu",
+            dtype=torch.float32 if precision == "fp32" else torch.bfloat16)
     spec = infer.inference_spec_from_hf_config(TINY_LLAMA)
     expected = infer.weight_bytes(spec, precision, double_quant=double_quant)["total_bytes"]
     assert _loaded_weight_bytes(model) == expected
 
 
-def test_kv_cache_matches_dynamic_cache_after_generate(tiny_llama_dir):
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_kv_cache_matches_dynamic_cache_after_generate(tiny_llama_dir, precision):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_llama_dir, dtype=torch.float32 if precision == "fp32" else torch.bfloat16)
     batch_size, prompt_len, gen_len = 3, 11, 5
     ids = torch.randint(3, 1000, (batch_size, prompt_len))
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=gen_len, min_new_tokens=gen_len,
@@ -167,4 +170,5 @@ def test_kv_cache_matches_dynamic_cache_after_generate(tiny_llama_dir):
     spec = infer.inference_spec_from_hf_config(TINY_LLAMA)
     assert spec.head_dim == 48 and spec.num_key_value_heads == 2 and spec.gated_mlp
     # The last generated token is sampled but never fed back, so the cache holds prompt + gen - 1 tokens.
-    assert cache_bytes == infer.kv_cache_bytes(spec, batch_size, prompt_len + gen_len - 1)
+    assert cache_bytes == infer.kv_cache_bytes(spec, batch_size, prompt_len + gen_len - 1,
+                                               bytes_per_value=infer.value_bytes(precision))
