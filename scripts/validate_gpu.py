@@ -29,7 +29,7 @@ ROWS = ROOT / "scripts" / "validate_gpu_rows.yaml"
 ACCURACY = ROOT / "docs" / "accuracy.md"
 ERRORS = ROOT / "launcher" / "data" / "gpu_errors.json"
 BEGIN, END = "<!-- gpu-validation:begin -->", "<!-- gpu-validation:end -->"
-UNIT_BYTES = {"GiB": 2**30, "GB": 10**9, "MiB": 2**20, "MB": 10**6}
+UNIT_BYTES = {"GiB": 2**30, "GB": 10**9, "MiB": 2**20, "MB": 10**6, "1000MiB": 1000 * 2**20}
 VIEWS = ("allocated", "reserved", "device_total", "unstated", "allocated_at_init")
 TARGET_RELIABILITY = ("A", "B")
 
@@ -56,8 +56,11 @@ class Result:
 
 def published_bytes(row: dict, spec: dict) -> float:
     """The row's value in bytes per GPU: 'a + b' (per-GPU values) -> the larger (the worst rank is
-    estimated); scope total -> divided by the GPU count."""
+    estimated); scope total -> divided by the GPU count; scope sum -> the per-GPU values added (the
+    parts of one model split over GPUs, planned on one)."""
     numbers = [float(x) for x in re.findall(r"\d+(?:\.\d+)?", row["memory_value"])]
+    if spec.get("scope") == "sum":
+        return sum(numbers) * UNIT_BYTES[spec["unit"]]
     value = max(numbers) if "+" in row["memory_value"] else numbers[0]
     if spec.get("scope") == "total":
         value /= int(row["gpu_count"])

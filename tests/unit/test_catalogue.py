@@ -77,6 +77,8 @@ PUBLISHED_PARAMS = {
     "mixtral-8x7b": (46_700_000_000, "Mixtral of experts (arXiv:2401.04088) / Mistral announcement: 46.7B total"),
     "tinyllama-1.1b": (1_100_000_000, "TinyLlama/TinyLlama-1.1B " + _CARD + ": 1.1B"),
     "phi-2": (2_779_683_840, "microsoft/phi-2: " + _HUB),
+    "gpt-j-6b": (6_053_381_344, "EleutherAI/gpt-j-6b " + _CARD + ": n_parameters"),
+    "gpt-neox-20b": (20_554_567_680, "EleutherAI/gpt-neox-20b " + _CARD + ": n_parameters"),
     "gemma-2b": (524_550_144 + 1_981_622_272, "Gemma report (arXiv:2403.08295) Table 2: embedding + non-embedding"),
 }
 
