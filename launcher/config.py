@@ -213,6 +213,11 @@ class TrainingConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     """Gradient clipping (0 = off)."""
+    optimizer_in_backward: bool = False
+    """Step each parameter's optimizer in its post-accumulate-grad hook and free its gradient there,
+    so at most a few gradients are alive at once (torch's "How to save memory by fusing the optimizer
+    step into the backward pass" tutorial; torchtune's `optimizer_in_bwd`). One unwrapped process
+    (strategy=single), no gradient accumulation, no clipping, no fp16 loss scaling."""
     warmup_steps: int = 0
     max_steps: int = 30
     """Optimizer steps of a run."""

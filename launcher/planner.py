@@ -50,14 +50,16 @@ def strategies_for(config: LauncherConfig, spec: ModelSpec | None = None) -> lis
 
 def micro_batch_sizes(config: LauncherConfig, dp: int) -> list[int]:
     """Micro-batches to try: the given one, else powers of two up to the limit that divide the
-    global batch (when one is given)."""
+    global batch (when one is given); with training.optimizer_in_backward, only those that make the
+    global batch in one micro-batch (every backward is an optimizer step)."""
     t = config.training
     if t.micro_batch_size is not None:
         return [t.micro_batch_size]
     out, m = [], 1
     while m <= config.planner.max_micro_batch_size:
         if t.global_batch_size is None or t.global_batch_size % (m * dp) == 0:
-            out.append(m)
+            if not (t.optimizer_in_backward and t.global_batch_size not in (None, m * dp)):
+                out.append(m)
         m *= 2
     return out
 
@@ -70,6 +72,9 @@ def grad_accum(config: LauncherConfig, micro: int, dp: int) -> int:
         k = max(1, g // (micro * dp))
         raise ConfigError(f"training.global_batch_size={g} is not divisible by micro_batch_size x data-parallel "
                           f"size = {micro} x {dp}; try training.global_batch_size={micro * dp * k}")
+    if config.training.optimizer_in_backward and g != micro * dp:
+        raise ConfigError(f"training.global_batch_size={g}: training.optimizer_in_backward=true steps at every "
+                          f"micro-batch (no accumulation); use training.global_batch_size={micro * dp} or null")
     return g // (micro * dp)
 
 
@@ -80,13 +85,13 @@ def workload(config: LauncherConfig, spec: ModelSpec, micro: int) -> Workload:
                     optimizer=t.optimizer.name, gradient_checkpointing=t.gradient_checkpointing,
                     attn_implementation=effective_attention(spec, t.attn_implementation.name)[0],
                     checkpoint_policy=t.checkpoint_policy.name, kernels="liger" if t.liger_kernel else "torch",
-                    causal_lm_loss=t.causal_lm_loss.name)
+                    causal_lm_loss=t.causal_lm_loss.name, optimizer_in_backward=t.optimizer_in_backward)
 
 
 def ask(config: LauncherConfig, cluster: Cluster, env: Env, peft: str = "none") -> Ask:
     """What this run asks of a strategy's capability table."""
     return Ask(config.training.precision.name, config.training.optimizer.name, peft, cluster.device,
-               cluster.num_gpus, env.installed)
+               cluster.num_gpus, env.installed, config.training.optimizer_in_backward)
 
 
 def unsupported(strategy: Strategy, config: LauncherConfig, cluster: Cluster, spec: ModelSpec | None = None,
@@ -183,7 +188,7 @@ def trace_key(spec: ModelSpec, strategy: Strategy, wl: Workload, lora=None):
                           gradient_checkpointing=wl.gradient_checkpointing,
                           checkpoint_policy=wl.checkpoint_policy if wl.gradient_checkpointing else "full",
                           kernels=wl.kernels, loss=wl.causal_lm_loss,
-                          **request)
+                          optimizer_in_backward=wl.optimizer_in_backward, **request)
 
 
 def model_numbers(traces) -> dict:

@@ -36,6 +36,7 @@ class RunSpec:
     learning_rate: float = 2e-4
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
+    optimizer_in_backward: bool = False  # one optimizer per parameter, stepped in its gradient hook
     warmup_steps: int = 0
     seed: int = 1234
     data_path: str = "demo"

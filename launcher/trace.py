@@ -83,6 +83,7 @@ class TraceKey:
     kernels: str = "torch"  # torch | liger: Liger's Triton kernels, traced as launcher/liger.py's stand-ins
     loss: str = "model"  # model | fp32_shift_copy: transformers 4.37-4.45's causal-LM loss (`_loss`)
     optimizer: str = "adamw_foreach"  # adamw_foreach | adamw_single | adamw_fused | sgd | none
+    optimizer_in_backward: bool = False  # one optimizer per parameter, stepped in its gradient hook (`_run_step`)
     trainable: str = "all"  # 'all' parameters train | 'lora': peft LoRA adapters on a frozen base
     # --- trainable='lora' (launcher/peft.py LoraSettings): the peft.LoraConfig applied in the trace
     lora_r: int = 0
@@ -307,6 +308,37 @@ def _make_optimizer(key: TraceKey, params):
                              fused=key.optimizer == "adamw_fused" or None)
 
 
+class _PerParameter:
+    """The optimizers `_step_in_backward` made, as one for `_classify` (their states)."""
+
+    def __init__(self, optimizers: list) -> None:
+        self.optimizers = optimizers
+
+    @property
+    def state(self) -> dict:
+        return {p: s for opt in self.optimizers for p, s in opt.state.items()}
+
+
+def _step_in_backward(key: TraceKey, trainable: list) -> _PerParameter:
+    """One optimizer per parameter, stepped and its gradient freed in the parameter's
+    post-accumulate-grad hook, after the hook that records the gradient (hooks run in registration
+    order), as torch's tutorial "How to save memory by fusing the optimizer step into the backward
+    pass" and torchtune's `register_optim_in_bwd_hooks` (training/memory.py) do; the worker runs
+    launcher/worker/optim.py `OptimizerInBackward`. bitsandbytes' optimizers (not traced) only free
+    the gradient here; their states are modelled by the layout."""
+    optimizers = []
+    for p in trainable:
+        opt = _make_optimizer(key, [p]) if key.optimizer != "none" else None
+        optimizers += [opt] if opt is not None else []
+
+        def hook(p, opt=opt):
+            if opt is not None:
+                opt.step()
+            p.grad = None
+        p.register_post_accumulate_grad_hook(hook)
+    return _PerParameter(optimizers)
+
+
 def _loss(model, ids, key: TraceKey):
     """The model's own causal-LM loss; a tensor-parallel shard computes ColossalAI's
     vocabulary-parallel loss on its logits slice (launcher/vocab_parallel_loss.py), with the
@@ -353,7 +385,8 @@ def _run_step(key: TraceKey, rec: _Recorder, marks: dict, grads: dict):
         for p in trainable:
             p.register_post_accumulate_grad_hook(
                 lambda p: grads.__setitem__(id(p), (rec.num_events, rec.row(p.grad))))
-        opt = _make_optimizer(key, trainable) if key.optimizer != "none" else None
+        in_backward = _step_in_backward(key, trainable) if key.optimizer_in_backward else None
+        opt = _make_optimizer(key, trainable) if key.optimizer != "none" and in_backward is None else None
         ids = torch.randint(0, vocab_size, (key.micro_batch_size, key.seq_len))
         marks["forward"], flops0, attn0 = rec.num_events, rec.flops, rec.attention_flops
         with torch.autocast("cpu", dtype=getattr(torch, key.autocast_dtype or "float32"),
@@ -371,7 +404,7 @@ def _run_step(key: TraceKey, rec: _Recorder, marks: dict, grads: dict):
         (opt or model).zero_grad(set_to_none=True)
         marks["end"] = rec.num_events
         marks["inputs"] = rec.row(ids)
-        return model, opt
+        return model, (in_backward or opt)
 
 
 def _apply_lora(model, key: TraceKey):

@@ -18,6 +18,7 @@ class Workload:
     checkpoint_policy: str = "full"  # with gradient_checkpointing: full | selective_op (launcher/checkpointing.py)
     kernels: str = "torch"  # torch | liger (training.liger_kernel; launcher/liger.py)
     causal_lm_loss: str = "model"  # model | fp32_shift_copy (training.causal_lm_loss)
+    optimizer_in_backward: bool = False  # each parameter stepped in its gradient hook (training.optimizer_in_backward)
 
 
 @dataclass(frozen=True)

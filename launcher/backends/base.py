@@ -31,6 +31,23 @@ class Ask:
     device: str = "cuda"
     num_processes: int = 2
     installed: frozenset = frozenset()  # optional packages and flags present where it runs (launcher/environment.py)
+    optimizer_in_backward: bool = False  # training.optimizer_in_backward
+
+
+def in_backward_problem(max_grad_norm: float, precision: str, grad_accum_steps: int) -> str:
+    """Why a run cannot step its optimizer in the backward pass (training.optimizer_in_backward), or
+    '': each parameter is stepped as its gradient arrives, so nothing may need all gradients first
+    (torchtune's full_finetune_single_device recipe refuses the same three)."""
+    if max_grad_norm > 0:
+        return (f"training.max_grad_norm={max_grad_norm}: clipping needs every gradient before the step, and "
+                "training.optimizer_in_backward=true steps each parameter as its gradient arrives; set training.max_grad_norm=0")
+    if precision == "16-mixed":
+        return ("training.precision=16-mixed: fp16 loss scaling unscales every gradient before the step, so "
+                "training.optimizer_in_backward=true cannot run with it; use bf16-mixed, bf16-true or 32-true")
+    if grad_accum_steps > 1:
+        return (f"{grad_accum_steps} micro-batches per step: training.optimizer_in_backward=true steps at every "
+                "micro-batch; leave training.global_batch_size null")
+    return ""
 
 
 @dataclass(frozen=True)
@@ -43,6 +60,7 @@ class Rules:
     peft: frozenset = frozenset({"none", "lora"})
     peft_devices: Mapping[str, frozenset] = field(default_factory=lambda: {"qlora": frozenset({"cuda"})})
     single_process: bool = False  # True: exactly one process (no data-parallel wrapper)
+    optimizer_in_backward: bool = False  # steps each parameter in its gradient hook (training.optimizer_in_backward)
     min_processes: int = 1
     why: Mapping[str, str] = field(default_factory=dict)
 
@@ -60,6 +78,9 @@ class Rules:
         peft = self.peft_problem(strategy, ask.peft, ask.device)
         if peft:
             return peft
+        if ask.optimizer_in_backward and not self.optimizer_in_backward:
+            return (f"strategy={strategy} does not run training.optimizer_in_backward=true: "
+                    + self.why.get("optimizer_in_backward", "use strategy=single"))
         if self.single_process and ask.num_processes != 1:
             return (f"strategy={strategy} runs one process, not {ask.num_processes}, without a data-parallel "
                     "wrapper; use strategy=ddp (or auto) for several")

@@ -17,7 +17,7 @@ HF TrainingArguments' `optim` names.
 from __future__ import annotations
 
 from launcher.backends import registry
-from launcher.backends.base import Ask
+from launcher.backends.base import Ask, in_backward_problem
 from launcher.environment import detect
 from launcher.errors import ConfigError
 from launcher.types import Strategy
@@ -53,9 +53,11 @@ def check_backend(spec, world_size: int) -> None:
     backend = registry.get(spec.backend)
     name = getattr(spec, "strategy", None)
     strategy = registry.STRATEGIES.get(name) if name in backend.strategies else Strategy(str(name), spec.backend)
+    in_backward = getattr(spec, "optimizer_in_backward", False)
     ask = Ask(spec.precision, spec.optimizer, peft_kind(getattr(spec, "peft", None)), getattr(spec, "device", "cpu"),
-              world_size, detect().installed)
-    problem = backend.refusal(strategy, ask)
+              world_size, detect().installed, in_backward)
+    problem = backend.refusal(strategy, ask) or (in_backward and in_backward_problem(
+        spec.max_grad_norm, spec.precision, spec.grad_accum_steps))
     if problem:
         raise ConfigError(problem)
     registry.load(backend.check_worker_config)(spec, world_size)

@@ -60,16 +60,20 @@ def test_fine_tunes_through_the_launcher(cli, strategy):
         assert losses == pytest.approx(_LOSSES["ddp"], abs=2e-2)
 
 
-def test_single_process_unwrapped_measures_as_estimated(cli):
+@pytest.mark.parametrize("in_backward", [False, True], ids=["step", "optimizer_in_backward"])
+def test_single_process_unwrapped_measures_as_estimated(cli, in_backward):
     """strategy=single: one process, the model not wrapped by DDP (no gradient buckets); the planner
-    and the worker agree, and the measured peak is the estimate within 1%."""
+    and the worker agree, and the measured peak is the estimate within 1%. With
+    training.optimizer_in_backward the parameters are stepped in their gradient hooks, on bf16
+    weights as torchtune's low-memory single-device recipe runs it."""
+    extra = (["training.optimizer_in_backward=true", "training.max_grad_norm=0", "training.precision=bf16-true"]
+             if in_backward else ["training.precision=32-true"])
     r = cli("model=tiny-llama", "hardware=cpu", "gpus=1", "mode=measure", "strategy=single",
-            "training.micro_batch_size=2", "training.seq_len=64", "training.max_steps=4",
-            "training.precision=32-true", timeout=600)
+            "training.micro_batch_size=2", "training.seq_len=64", "training.max_steps=4", *extra, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     (run_dir,) = (cli.cwd / "runs").glob("*/*")
     measured = json.loads((run_dir / "measure.json").read_text())
     assert measured["strategy"] == "single" and measured["world_size"] == 1
     assert measured["max_abs_memory_error_percent"] <= 1.0
     run = json.loads((run_dir / "run.json").read_text())
-    assert run["strategy"] == "single"
+    assert run["strategy"] == "single" and run["optimizer_in_backward"] is in_backward

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from launcher.backends import registry
-from launcher.backends.base import DEVICES, OPTIMIZERS, PRECISIONS
+from launcher.backends.base import DEVICES, OPTIMIZERS, PRECISIONS, in_backward_problem
 from launcher.config import LauncherConfig, Optimizer, Precision
 from launcher.emit import emit
 from launcher.environment import detect
@@ -58,12 +58,16 @@ def optimizer_problems() -> dict:
 def test_planner_accepts_only_what_the_worker_runs(optimizer_problems):
     env = detect()
     checked, disagreements = 0, []
-    for strategy, precision, optimizer, peft, device, gpus in itertools.product(
-            _strategies(), PRECISIONS, OPTIMIZERS, PEFT, DEVICES, (1, 2)):
+    for strategy, precision, optimizer, peft, device, gpus, in_backward in itertools.product(
+            _strategies(), PRECISIONS, OPTIMIZERS, PEFT, DEVICES, (1, 2), (False, True)):
+        if in_backward and in_backward_problem(0.0, precision, 1):
+            continue  # refused with the config, before any planning (launcher/validate.py)
         config = LauncherConfig()
         config.gpus = gpus
         config.training.precision = Precision[precision]
         config.training.optimizer = Optimizer[optimizer]
+        config.training.optimizer_in_backward = in_backward
+        config.training.max_grad_norm = 0.0 if in_backward else 1.0
         cluster = _cluster(device, gpus)
         if unsupported(strategy, config, cluster, None, env, peft=peft):
             continue
@@ -74,13 +78,15 @@ def test_planner_accepts_only_what_the_worker_runs(optimizer_problems):
                                         dp_size=gpus // (strategy.tp_size * strategy.pp_size) or 1, device=device)
             spec = RunSpec(run_dir=".", backend=strategy.backend, strategy=strategy.name, model_name="m", hf_config={},
                            device=device, precision=precision, optimizer=optimizer, framework_config=framework,
-                           peft=PEFT[peft])
+                           peft=PEFT[peft], optimizer_in_backward=in_backward,
+                           max_grad_norm=config.training.max_grad_norm)
             check_backend(spec, gpus)
             precision_plan(precision, strategy.backend, device)
             if optimizer_problems[optimizer]:
                 raise ConfigError(optimizer_problems[optimizer])
         except ConfigError as err:
-            disagreements.append(f"{strategy.name} {precision} {optimizer} {peft} {device} gpus={gpus}: {err}")
+            disagreements.append(f"{strategy.name} {precision} {optimizer} {peft} {device} gpus={gpus} "
+                                 f"in_backward={in_backward}: {err}")
     assert checked > 500  # the walk reached the surface
     assert not disagreements, "\n".join(disagreements[:20])
 

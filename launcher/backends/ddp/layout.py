@@ -88,6 +88,12 @@ DDP_NOTES = (
 )
 
 
+IN_BACKWARD_NOTES = (
+    "training.optimizer_in_backward: one optimizer per parameter, stepped in its post-accumulate-grad "
+    "hook and its gradient freed there (traced for real); the optimizer states still live for the whole step.",
+)
+
+
 def trace_request(strategy, workload) -> dict:
     """torch DDP runs the model as the user asked and its torch optimizer is traced for real
     (launcher/precision.py)."""
@@ -98,4 +104,7 @@ def memory(traces, strategy, workload, knobs, dp: int, device: str) -> LayoutSet
     """One layout per traced depth; every rank holds the same bytes."""
     wrapped = strategy.name != "single"
     layouts = tuple(ddp_layout(t, knobs["ddp"], dp, workload.optimizer, wrapped) for t in (traces.depth1, traces.depth2))
-    return LayoutSet(groups=(((), layouts),), traces=traces, notes=DDP_NOTES if wrapped else SINGLE_NOTES)
+    notes = DDP_NOTES if wrapped else SINGLE_NOTES
+    if workload.optimizer_in_backward:
+        notes += IN_BACKWARD_NOTES
+    return LayoutSet(groups=(((), layouts),), traces=traces, notes=notes)

@@ -9,13 +9,16 @@ from launcher.types import Strategy
 
 TORCH_PRECISIONS = frozenset({"32-true", "16-mixed", "bf16-mixed", "bf16-true"})
 WHY = {
+    "optimizer_in_backward": ("its gradients are reduced in buckets after their hooks run, so a parameter "
+                              "cannot be stepped in its own hook; use strategy=single"),
     "16-true": ("torch trains an fp16 model only with a GradScaler, and the scaler refuses fp16 "
                 "gradients (torch/amp/grad_scaler.py unscale_: 'Attempting to unscale FP16 gradients'); "
                 "use precision=16-mixed or bf16-true"),
 }
 DDP = Rules(precisions={"cuda": TORCH_PRECISIONS, "cpu": TORCH_PRECISIONS},
             peft=frozenset({"none", "lora", "qlora"}), peft_devices={"qlora": frozenset({"cuda", "cpu"})}, why=WHY)
-SINGLE = Rules(precisions=DDP.precisions, peft=DDP.peft, peft_devices=DDP.peft_devices, single_process=True, why=WHY)
+SINGLE = Rules(precisions=DDP.precisions, peft=DDP.peft, peft_devices=DDP.peft_devices, single_process=True,
+               optimizer_in_backward=True, why=WHY)
 
 
 def rules(strategy: Strategy) -> Rules:

@@ -5,7 +5,7 @@ import contextlib
 from pathlib import Path
 
 from launcher.errors import ConfigError
-from launcher.worker.optim import make_optimizer, make_scheduler
+from launcher.worker.optim import OptimizerInBackward, make_optimizer, make_scheduler
 from launcher.worker import layout
 
 SINGLE = "single"  # the strategy that runs one process without a data-parallel wrapper
@@ -39,8 +39,14 @@ class DDPBackend:
         self.module = model
         self.model = (model if spec.strategy == SINGLE else
                       DistributedDataParallel(model, device_ids=device_ids, **spec.framework_config))
-        self.optimizer = make_optimizer(spec.optimizer, model.parameters(), spec.learning_rate, spec.weight_decay)
-        self.scheduler = make_scheduler(self.optimizer, spec.warmup_steps)
+        self._in_backward = getattr(spec, "optimizer_in_backward", False)
+        if self._in_backward:  # stepped in each parameter's gradient hook (one process, strategy single)
+            self.optimizer = OptimizerInBackward(spec.optimizer, model.parameters(), spec.learning_rate,
+                                                 spec.weight_decay, spec.warmup_steps)
+            self.scheduler = self.optimizer.scheduler
+        else:
+            self.optimizer = make_optimizer(spec.optimizer, model.parameters(), spec.learning_rate, spec.weight_decay)
+            self.scheduler = make_scheduler(self.optimizer, spec.warmup_steps)
         self.scaler = torch.amp.GradScaler("cuda") if plan.grad_scaler else None
         self._autocast_dtype = getattr(torch, plan.autocast_dtype) if plan.autocast_dtype else None
         self._device_type = env.device
@@ -66,6 +72,9 @@ class DDPBackend:
     def optimizer_step(self) -> None:
         import torch
 
+        if self._in_backward:  # the parameters were stepped and their gradients freed in backward
+            self.scheduler.step()
+            return
         with self._meter.phase("optimizer"):
             if self.scaler:
                 self.scaler.unscale_(self.optimizer)
