@@ -30,12 +30,13 @@ Precision = _enum(
 Optimizer = _enum(
     "Optimizer",
     ["adamw_torch", "adamw_torch_fused", "adamw_torch_foreach", "sgd", "adamw_bnb_8bit",
-     "paged_adamw_8bit", "adafactor"],
+     "paged_adamw_8bit", "paged_adamw_32bit", "adafactor"],
     "HF TrainingArguments `optim` names. adamw_torch = torch.optim.AdamW with its default "
     "implementation (foreach on this torch when all tensors are on one device); "
     "adamw_torch_fused = fused=True; adamw_torch_foreach = foreach=True; sgd = torch.optim.SGD "
     "(momentum 0.9); adamw_bnb_8bit = bitsandbytes.optim.AdamW8bit (8-bit blockwise states); "
     "paged_adamw_8bit = bitsandbytes.optim.PagedAdamW8bit (same, states in CUDA unified memory); "
+    "paged_adamw_32bit = bitsandbytes.optim.PagedAdamW32bit (fp32 states in CUDA unified memory); "
     "adafactor = transformers.optimization.Adafactor (factored second moment, no first moment).",
 )
 Attention = _enum(

@@ -16,8 +16,8 @@ FRAMEWORK = {"32-true": "float32", "bf16-mixed": "bfloat16", "16-mixed": "float1
 """precision -> dtype of the module a framework casts (DeepSpeed, ColossalAI plugins)."""
 TRACE_OPTIMIZER = {"adamw_torch": "adamw_foreach", "adamw_torch_foreach": "adamw_foreach",
                    "adamw_torch_fused": "adamw_fused", "sgd": "sgd", "adafactor": "adafactor",
-                   "adamw_bnb_8bit": "none", "paged_adamw_8bit": "none"}
-"""HF optim name -> the optimizer the tracer steps for real (8-bit: modelled, launcher/backends/ddp/layout.py)."""
+                   "adamw_bnb_8bit": "none", "paged_adamw_8bit": "none", "paged_adamw_32bit": "none"}
+"""HF optim name -> the optimizer the tracer steps for real (bitsandbytes': modelled, launcher/backends/ddp/layout.py)."""
 
 
 def torch_trace_request(workload) -> dict:

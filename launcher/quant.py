@@ -100,8 +100,8 @@ def adamw_8bit_state_bytes(param_numels: Iterable[int], min_8bit_size: int = MIN
     state2 of parameters with numel >= 1e5 in CUDA unified memory (functional.get_paged:
     cget_managed_ptr, i.e. cudaMallocManaged), outside PyTorch's caching allocator: they live on the GPU
     while used, the driver may evict them to host RAM under memory pressure, and
-    `torch.cuda.memory_allocated` does not count them. We count them as device memory that may page
-    out (`paged_bytes`); absmax and qmaps are ordinary device tensors."""
+    `torch.cuda.memory_allocated` does not count them (`paged_bytes`, part of `total_bytes`); absmax
+    and qmaps are ordinary device tensors."""
     totals = dict.fromkeys(("fp32_state_bytes", "uint8_state_bytes", "absmax_bytes", "qmap_bytes",
                             "paged_bytes"), 0)
     any_8bit = False
@@ -118,6 +118,22 @@ def adamw_8bit_state_bytes(param_numels: Iterable[int], min_8bit_size: int = MIN
             totals["paged_bytes"] += state_bytes
     totals["qmap_bytes"] = num_states * DYNAMIC_MAP_ENTRIES * FP32_BYTES if any_8bit else 0
     totals["total_bytes"] = sum(v for k, v in totals.items() if k != "paged_bytes")
+    return totals
+
+
+def adamw_32bit_state_bytes(param_numels: Iterable[int], paged: bool = False) -> dict:
+    """Optimizer state of bitsandbytes' 32-bit AdamW (PagedAdamW32bit, AdamW32bit) after the first
+    step: exp_avg and exp_avg_sq in fp32 whatever the parameter's dtype (bitsandbytes/optim/
+    optimizer.py Optimizer2State.init_state, `optim_bits == 32`: `get_state_buffer(p, dtype=
+    torch.float32)` twice; `step` is a Python int), updated in place by `optimizer_update_32bit`.
+    Paged: the states of parameters with numel >= 1e5 are in CUDA unified memory (`paged_bytes`),
+    as in `adamw_8bit_state_bytes`."""
+    totals = {"fp32_state_bytes": 0, "paged_bytes": 0}
+    for numel in param_numels:
+        totals["fp32_state_bytes"] += 2 * numel * FP32_BYTES
+        if paged and numel >= PAGED_MIN_NUMEL:
+            totals["paged_bytes"] += 2 * numel * FP32_BYTES
+    totals["total_bytes"] = totals["fp32_state_bytes"]
     return totals
 
 

@@ -16,7 +16,7 @@ from launcher.types import Strategy
 
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true")  # Lightning's names
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_torch_foreach", "sgd", "adamw_bnb_8bit",
-              "paged_adamw_8bit", "adafactor")  # HF TrainingArguments `optim` names
+              "paged_adamw_8bit", "paged_adamw_32bit", "adafactor")  # HF TrainingArguments `optim` names
 PEFT_METHODS = ("none", "lora", "qlora")
 DEVICES = ("cuda", "cpu")
 

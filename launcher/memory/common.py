@@ -287,21 +287,47 @@ def optimizer_step_temp_numel(optimizer: str, tensor_numels: list[int]) -> int:
     return 0
 
 
-BNB_8BIT_OPTIMIZERS = ("adamw_bnb_8bit", "paged_adamw_8bit")
+BNB_OPTIMIZERS = ("adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
+
+
+def _bnb_states(optimizer: str, shapes: list) -> dict:
+    numels = [int(np.prod(s)) for s in shapes]
+    if optimizer == "paged_adamw_32bit":
+        return quant.adamw_32bit_state_bytes(numels, paged=True)
+    return quant.adamw_8bit_state_bytes(numels, paged=optimizer.startswith("paged"))
 
 
 def modelled_state_bytes(optimizer: str, shapes: list, state_bytes: int = 4) -> int | None:
     """Optimizer-state bytes of the optimizers whose state is modelled rather than traced, for
     parameters (or flat partitions) of the given shapes, as the library stores it; None for the
-    others. bitsandbytes AdamW8bit / PagedAdamW8bit: launcher/quant.py `adamw_8bit_state_bytes`
-    (bitsandbytes/optim/optimizer.py Optimizer2State.init_state; paged states are counted as
-    device memory). transformers Adafactor: `adafactor_state_bytes` (beta1=None, HF's default)."""
-    if optimizer in BNB_8BIT_OPTIMIZERS:
-        numels = [int(np.prod(s)) for s in shapes]
-        return quant.adamw_8bit_state_bytes(numels, paged=optimizer.startswith("paged"))["total_bytes"]
+    others. bitsandbytes AdamW8bit / PagedAdamW8bit / PagedAdamW32bit: launcher/quant.py
+    `adamw_8bit_state_bytes`, `adamw_32bit_state_bytes` (bitsandbytes/optim/optimizer.py
+    Optimizer2State.init_state). transformers Adafactor: `adafactor_state_bytes` (beta1=None, HF's
+    default)."""
+    if optimizer in BNB_OPTIMIZERS:
+        return _bnb_states(optimizer, shapes)["total_bytes"]
     if optimizer == "adafactor":
         return quant.adafactor_state_bytes(shapes, dtype_bytes=state_bytes)["total_bytes"]
     return None
+
+
+def add_modelled_states(layout: Layout, optimizer: str, shapes: list, state_bytes: int = 4,
+                        host: bool = False) -> bool:
+    """Add the modelled optimizer states (`modelled_state_bytes`) to `layout` for the whole step;
+    False when `optimizer` is traced instead. A paged bitsandbytes optimizer's large states are in
+    CUDA unified memory (cudaMallocManaged, bitsandbytes functional.get_paged), outside torch's
+    caching allocator: torch's allocated and reserved counters never see them and the driver pages
+    them to host RAM rather than fail an allocation, so they are a host term (`paged_optimizer_states`):
+    off the device peak, in the host-RAM need. nvidia-smi shows whatever part is resident on the
+    GPU; that part is not modelled."""
+    total = modelled_state_bytes(optimizer, shapes, state_bytes)
+    if total is None:
+        return False
+    paged = _bnb_states(optimizer, shapes)["paged_bytes"] if optimizer in BNB_OPTIMIZERS else 0
+    layout.add("optimizer_states", "optimizer_states", total - paged, host=host)
+    if paged:
+        layout.add("paged_optimizer_states", "optimizer_states", paged, host=True)
+    return True
 
 
 def optimizer_state_numel_factor(optimizer: str) -> int:

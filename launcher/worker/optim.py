@@ -9,7 +9,8 @@ from launcher.errors import ConfigError
 def make_optimizer(name: str, params, learning_rate: float, weight_decay: float):
     """adamw_torch, adamw_torch_foreach: AdamW with foreach=True (one multi-tensor kernel per
     group, on every device); adamw_torch_fused: AdamW(fused=True); sgd: SGD with momentum 0.9; adamw_bnb_8bit /
-    paged_adamw_8bit: bitsandbytes.optim.AdamW8bit / PagedAdamW8bit; adafactor: transformers'
+    paged_adamw_8bit / paged_adamw_32bit: bitsandbytes.optim.AdamW8bit / PagedAdamW8bit /
+    PagedAdamW32bit; adafactor: transformers'
     Adafactor with HF Trainer's optim="adafactor" settings (scale_parameter=False,
     relative_step=False: the learning rate is the given one)."""
     import torch
@@ -21,10 +22,11 @@ def make_optimizer(name: str, params, learning_rate: float, weight_decay: float)
         return torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay, fused=True)
     if name == "sgd":
         return torch.optim.SGD(params, lr=learning_rate, momentum=0.9, weight_decay=weight_decay)
-    if name in ("adamw_bnb_8bit", "paged_adamw_8bit"):
+    if name in ("adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit"):
         import bitsandbytes as bnb
 
-        cls = bnb.optim.PagedAdamW8bit if name.startswith("paged") else bnb.optim.AdamW8bit
+        cls = {"adamw_bnb_8bit": bnb.optim.AdamW8bit, "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
+               "paged_adamw_32bit": bnb.optim.PagedAdamW32bit}[name]
         return cls(params, lr=learning_rate, weight_decay=weight_decay)
     if name == "adafactor":
         from transformers.optimization import Adafactor

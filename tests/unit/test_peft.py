@@ -79,7 +79,7 @@ def _lora_model():
     return lp.apply_lora(model, lp.LoraSettings(r=16, target_modules=("q_proj", "v_proj", "up_proj")))
 
 
-@pytest.mark.parametrize("name", ["adamw_bnb_8bit", "paged_adamw_8bit"])
+@pytest.mark.parametrize("name", ["adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit"])
 def test_8bit_state_bytes_of_a_lora_model_match_bitsandbytes(name):
     """The modelled state of the adapters equals the bytes of bitsandbytes' own state tensors after
     a real step (CPU; qmaps are shared by every parameter and counted once)."""

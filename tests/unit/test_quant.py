@@ -82,7 +82,7 @@ def _model_with_numels():
 
 
 def _one_step(model, optimizer):
-    loss = sum(layer(torch.randn(2, layer.in_features)).sum() for layer in model.values())
+    loss = sum(layer(torch.randn(2, layer.in_features, dtype=layer.weight.dtype)).sum() for layer in model.values())
     loss.backward()
     optimizer.step()
 
@@ -102,6 +102,22 @@ def test_8bit_optimizer_state_bytes_match_bitsandbytes(cls_name, num_states, pag
     assert got["qmap_bytes"] == num_states * 256 * 4
     # Only parameter d (100,000 elements) reaches the 1e5 paging threshold (optim/optimizer.py get_state_buffer).
     assert got["paged_bytes"] == (num_states * 100_000 if paged else 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_32bit_paged_optimizer_state_bytes_match_bitsandbytes(dtype):
+    """PagedAdamW32bit keeps two fp32 states per parameter whatever the parameter's dtype; the states
+    of parameters of 1e5 elements or more are the paged ones."""
+    torch.manual_seed(0)
+    model = _model_with_numels().to(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        optimizer = bnb.optim.PagedAdamW32bit(model.parameters(), lr=1e-3)
+        _one_step(model, optimizer)
+    numels = [p.numel() for p in model.parameters()]
+    got = quant.adamw_32bit_state_bytes(numels, paged=True)
+    assert got["total_bytes"] == _unique_state_bytes(optimizer) == 2 * 4 * sum(numels)
+    assert got["paged_bytes"] == 2 * 4 * 100_000
 
 
 def test_8bit_optimizer_small_params_only_have_fp32_state_and_no_qmap():

@@ -19,7 +19,7 @@ from launcher.config import DeepSpeedConfig
 from launcher.steptrace import Kind, StepTrace
 
 from launcher.memory.common import (Layout, at_traced_depth, first_ready_event, free_at_next_ready,
-                     full_depth_numels, grad_ready_order, layer_numel, modelled_state_bytes,
+                     full_depth_numels, grad_ready_order, layer_numel, add_modelled_states,
                      optimizer_state_numel_factor,
                      optimizer_step_scalar_bytes, optimizer_step_temp_numel, trainable_params)
 
@@ -186,9 +186,7 @@ def rank_gradient_partition(trace: StepTrace, z: ZeroSetup, rank: int | None) ->
 
 
 def _states(layout: Layout, z: ZeroSetup, numel: int, num_tensors: int, host: bool) -> None:
-    modelled = modelled_state_bytes(z.optimizer, [(numel,)], z.master_bytes)  # one flat partition
-    if modelled is not None:
-        layout.add("optimizer_states", "optimizer_states", modelled, host=host)
+    if add_modelled_states(layout, z.optimizer, [(numel,)], z.master_bytes, host):  # one flat partition
         return
     k = optimizer_state_numel_factor(z.optimizer)
     layout.add("optimizer_states", "optimizer_states",
