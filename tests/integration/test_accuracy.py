@@ -11,8 +11,9 @@ pytestmark = pytest.mark.integration
 SMALL_BUCKETS = ("deepspeed.reduce_bucket_size=200000", "deepspeed.allgather_bucket_size=200000",
                  "deepspeed.stage3_prefetch_bucket_size=200000")
 # (strategy, precision, gradient checkpointing, timing pass): one cell also runs the timing pass
-# (a third torchrun per cell; the others skip it to keep the test short). Every strategy at fp32 is
-# checked to 1% by test_launch_runs.py; these cells add mixed precision and checkpointing.
+# (a third torchrun per cell; the others skip it to keep the test short). Strategies at fp32 are
+# checked to 1% by test_launch_runs.py (ZeRO-0/1/2 under `-m long`); these cells add mixed precision
+# and checkpointing.
 CELLS = [("ddp", "bf16-mixed", False, True), ("zero2", "bf16-mixed", False, False),
          ("zero1", "32-true", True, False)]
 # per-op selective checkpointing (training.checkpoint_policy=selective_op), under the `long` marker

@@ -51,7 +51,8 @@ def _per_rank_errors(run_dir) -> list[float]:
     return [(e - m) / m for e, m in zip(estimates, measured)]
 
 
-@pytest.mark.parametrize("strategy", ["cai_ddp", "cai_zero1", "cai_zero2"])
+@pytest.mark.parametrize("strategy", ["cai_ddp", pytest.param("cai_zero1", marks=pytest.mark.long),
+                                      pytest.param("cai_zero2", marks=pytest.mark.long)])  # cai_zero2: the +ckpt run
 def test_colossalai_fine_tunes_through_the_launcher(cli, strategy):
     r = cli("model=tiny-llama", "hardware=cpu", "gpus=2", "mode=run", f"strategy={strategy}",
             "training.micro_batch_size=2", "training.seq_len=64", f"training.max_steps={STEPS}",
@@ -103,7 +104,7 @@ def test_lowlevel_zero_with_gradient_checkpointing_within_one_percent(cli, strat
 
 
 @needs_shardformer
-@pytest.mark.parametrize("family", ["llama", "bloom", pytest.param("opt", marks=pytest.mark.long),
+@pytest.mark.parametrize("family", [pytest.param("llama", marks=pytest.mark.long), "bloom", pytest.param("opt", marks=pytest.mark.long),
                                     pytest.param("gpt2", marks=pytest.mark.long)])
 def test_colossalai_tensor_parallel_run(cli, family):
     """HybridParallelPlugin tp=2 (one data-parallel rank): ColossalAI's shardformer policy of the

@@ -31,7 +31,8 @@ def write_spec(run_dir: Path, strategy: str, precision: str = "32-true", **overr
     return path
 
 
-@pytest.mark.parametrize("strategy,precision", [("fsdp2", "bf16-mixed"), ("fsdp2_tp", "32-true")])
+@pytest.mark.parametrize("strategy,precision", [("fsdp2", "bf16-mixed"),
+                                                pytest.param("fsdp2_tp", "32-true", marks=pytest.mark.long)])
 def test_fsdp2_killed_while_saving_resumes_identically(tmp_path: Path, strategy: str, precision: str) -> None:
     run_dir = tmp_path / "run"
     result = torchrun(write_spec(run_dir, strategy, precision), "--max-restarts=1",

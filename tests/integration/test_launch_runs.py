@@ -20,7 +20,9 @@ _LOSSES: dict[str, list[float]] = {}
 
 
 # zero1 runs end to end in test_accuracy.py (measured within 1%) and test_resume_backends.py
-@pytest.mark.parametrize("strategy", ["ddp", "zero0", pytest.param("zero1", marks=pytest.mark.long), "zero2", "zero3"])
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("zero0", marks=pytest.mark.long),
+                                      pytest.param("zero1", marks=pytest.mark.long),
+                                      pytest.param("zero2", marks=pytest.mark.long), "zero3"])
 def test_fine_tunes_through_the_launcher(cli, strategy):
     r = cli("model=tiny-llama", "hardware=cpu", "gpus=2", "mode=run", f"strategy={strategy}",
             "training.micro_batch_size=2", "training.seq_len=64", f"training.max_steps={STEPS}",

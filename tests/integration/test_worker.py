@@ -160,6 +160,7 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
         [r["loss"] for r in reference[5:]], abs=1e-5)
 
 
+@pytest.mark.long  # ZeRO-3's resume is also killed_while_saving_resumes_identically[zero3]
 def test_deepspeed_resume(tmp_path: Path) -> None:
     spec = dict(backend="deepspeed", framework_config=ds_config(3), checkpoint_every=4)
     straight = tmp_path / "straight"
