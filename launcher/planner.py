@@ -156,6 +156,10 @@ def launch_problem(strategy: Strategy, spec: ModelSpec, peft: dict | None = None
     if (peft or {}).get("quant_type") and any(spec.hf_config.get(k) for k in ("num_local_experts", "num_experts")):
         return ("QLoRA of 3D expert parameters: estimated 4-bit per expert, but the worker's bitsandbytes "
                 "conversion quantizes nn.Linear only: estimate only")
+    kind = "qlora" if (peft or {}).get("quant_type") else ("lora" if peft else "none")
+    estimate_only = backend_of(strategy).rules(strategy).estimate_only.get(kind)
+    if estimate_only:
+        return estimate_only
     hook = backend_of(strategy).launch_problem
     why = hook(strategy, spec) if hook else ""
     if why:

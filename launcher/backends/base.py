@@ -59,6 +59,8 @@ class Rules:
     optimizers: frozenset = frozenset(OPTIMIZERS)
     peft: frozenset = frozenset({"none", "lora"})
     peft_devices: Mapping[str, frozenset] = field(default_factory=lambda: {"qlora": frozenset({"cuda"})})
+    # peft kind -> why it is planned but never run: the estimate models it, the worker does not train it
+    estimate_only: Mapping[str, str] = field(default_factory=dict)
     single_process: bool = False  # True: exactly one process (no data-parallel wrapper)
     optimizer_in_backward: bool = False  # steps each parameter in its gradient hook (training.optimizer_in_backward)
     min_processes: int = 1
@@ -89,7 +91,9 @@ class Rules:
         return ""
 
     def peft_problem(self, strategy: str, peft: str, device: str) -> str:
-        """Why `strategy` cannot train `peft` adapters on `device`, or ''."""
+        """Why `strategy` cannot train (or plan, for `estimate_only`) `peft` adapters on `device`, or ''."""
+        if peft in self.estimate_only:
+            return ""
         if peft not in self.peft:
             return self._no(strategy, f"peft={peft}", peft, [p for p in PEFT_METHODS if p in self.peft])
         if device not in self.peft_devices.get(peft, (device,)):
@@ -171,8 +175,14 @@ class Backend:
         return self.peft_settings(strategy, lora) if self.peft_settings and lora is not None else lora
 
     def refusal(self, strategy: Strategy, ask: Ask) -> str:
-        """Why `strategy` cannot run `ask`: the capability table first, then the backend's own rule."""
+        """Why `strategy` cannot plan `ask`: the capability table first, then the backend's own rule."""
         return self.rules(strategy).problem(strategy.name, ask) or self.problem(strategy, ask)
+
+    def run_refusal(self, strategy: Strategy, ask: Ask) -> str:
+        """Why `strategy` cannot run `ask` (what the worker refuses): `refusal`, or what the table
+        plans as an estimate only."""
+        why = self.rules(strategy).estimate_only.get(ask.peft, "")
+        return self.refusal(strategy, ask) or (f"strategy={strategy.name}: {why}" if why else "")
 
 
 @dataclass(frozen=True)

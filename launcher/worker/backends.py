@@ -56,7 +56,7 @@ def check_backend(spec, world_size: int) -> None:
     in_backward = getattr(spec, "optimizer_in_backward", False)
     ask = Ask(spec.precision, spec.optimizer, peft_kind(getattr(spec, "peft", None)), getattr(spec, "device", "cpu"),
               world_size, detect().installed, in_backward)
-    problem = backend.refusal(strategy, ask) or (in_backward and in_backward_problem(
+    problem = backend.run_refusal(strategy, ask) or (in_backward and in_backward_problem(
         spec.max_grad_norm, spec.precision, spec.grad_accum_steps))
     if problem:
         raise ConfigError(problem)

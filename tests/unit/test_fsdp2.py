@@ -183,7 +183,11 @@ def test_rules_name_the_problem():
     assert "same memory" in refusal("fsdp2_offload", device="cpu")
     assert "tensor-parallel plan" in refusal("fsdp2_tp", peft="lora")
     assert "does not divide 5" in refusal("fsdp2_tp", num_processes=5)
-    assert "QLoRA" in refusal("fsdp2_offload", peft="qlora") and "QLoRA" in refusal("fsdp2_tp", peft="qlora")
+    assert "QLoRA" in refusal("fsdp2_tp", peft="qlora")
+    # QLoRA with CPU offload is planned (an estimate), and the worker refuses to run it
+    assert refusal("fsdp2_offload", peft="qlora") == ""
+    run_ask = Ask(precision="bf16-mixed", optimizer="adamw_torch", device="cuda", num_processes=8, peft="qlora")
+    assert "estimate only" in BACKEND.run_refusal(STRATEGIES["fsdp2_offload"], run_ask)
     assert refusal("fsdp2_tp") == "" and refusal("fsdp2", peft="lora") == ""
     assert refusal("fsdp2", peft="qlora") == "" and refusal("fsdp2", peft="qlora", device="cpu") == ""
     assert refusal("fsdp2", peft="qlora", precision="bf16-true") == ""
@@ -265,3 +269,19 @@ def test_side_stream_buffers_hold_their_own_cache():
     one = dataclasses.replace(lay, terms=[dataclasses.replace(t, stream=0) for t in lay.terms])
     block_ag = max(t.nbytes for t in lay.terms if t.name == "all_gather_output")
     assert held(lay) >= held(one) + block_ag
+
+
+def test_qlora_with_cpu_offload_is_planned_never_chosen(trace_cache):
+    """fsdp2_offload plans a QLoRA candidate (its table's estimate_only) that the planner never
+    chooses to launch: its verdict says why."""
+    from launcher import planner
+    from launcher.app import model_spec
+    from launcher.cli import compose
+    from launcher.hardware import cluster_from
+
+    config = compose([trace_cache, "model=tiny-llama", "hardware=a100-80g", "gpus=2", "strategy=fsdp2_offload",
+                      "peft=qlora", "training.seq_len=64", "training.micro_batch_size=1"])
+    plan = planner.plan(config, model_spec(config), cluster_from(config.hardware, config.gpus, config.nodes))
+    (cand,) = plan.candidates
+    assert cand.fits and plan.chosen is None
+    assert "estimate only" in cand.reason and cand.memory.host_bytes > 0

@@ -35,13 +35,17 @@ TP_FAMILIES = ("llama", "mistral", "qwen2")  # the plan in tp_plan.py names thes
 WHY = {
     "16-mixed": "fp16 under FSDP2 needs a sharded gradient scaler the worker does not run; use bf16-mixed",
     "16-true": "fp16 under FSDP2 needs a sharded gradient scaler the worker does not run; use bf16-true",
-    "qlora": ("QLoRA's 4-bit base is sharded by fsdp2 only, not with CPU offload or tensor parallelism; "
+    "qlora": ("QLoRA's 4-bit base is sharded by fsdp2 (and planned under fsdp2_offload), not with tensor parallelism; "
               "use strategy=fsdp2"),
     "cpu": "CPUOffloadPolicy moves shards and the optimizer step to the host; on CPU processes that is the same memory",
 }
 FSDP2 = Rules(precisions={"cuda": PRECISIONS, "cpu": PRECISIONS}, optimizers=OPTIMIZERS,
               peft=frozenset({"none", "lora", "qlora"}), peft_devices={"qlora": frozenset({"cuda", "cpu"})}, why=WHY)
-OFFLOAD = Rules(precisions={"cuda": PRECISIONS}, optimizers=OPTIMIZERS, peft=frozenset({"none", "lora"}), why=WHY)
+# QLoRA with CPUOffloadPolicy: the sharded 4-bit base (bnb_4bit_quant_storage) on the host, gathered
+# per block as the GPU plan models it; the worker's GPU path is not exercised here (no GPU to check it on)
+OFFLOAD = Rules(precisions={"cuda": PRECISIONS}, optimizers=OPTIMIZERS, peft=frozenset({"none", "lora"}),
+                estimate_only={"qlora": "QLoRA with CPU offload of the sharded 4-bit base is planned, not run: "
+                                        "estimate only"}, why=WHY)
 TP = Rules(precisions={"cuda": PRECISIONS, "cpu": PRECISIONS}, optimizers=OPTIMIZERS, peft=frozenset({"none"}),
            why={**WHY, "lora": "LoRA adapters are not in fsdp2_tp's tensor-parallel plan; use fsdp2"})
 
