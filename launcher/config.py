@@ -300,6 +300,9 @@ class InferenceConfig:
     """Generated tokens per sequence (max_new_tokens)."""
     tp_size: int = 1
     """Tensor-parallel GPUs the model is split over (memory reported per GPU)."""
+    attn_implementation: Attention = Attention["sdpa"]  # type: ignore[valid-type]
+    """transformers' attn_implementation while generating: eager materialises the attention scores
+    (and their fp32 softmax) of the largest forward; sdpa and flash_attention_2 do not."""
     double_quant: bool = False
     """nf4/fp4: bnb_4bit_use_double_quant (BitsAndBytesConfig's default is False)."""
 

@@ -40,7 +40,8 @@ def infer_plan(config, spec) -> dict:
     ispec = infer.inference_spec_from_hf_config(spec.hf_config)
     try:
         est = infer.estimate_inference(ispec, inf.precision.name, inf.batch_size, inf.prompt_len,
-                                       inf.gen_len, tp_size=inf.tp_size, double_quant=inf.double_quant)
+                                       inf.gen_len, tp_size=inf.tp_size, double_quant=inf.double_quant,
+                                       attn_implementation=inf.attn_implementation.name)
     except ValueError as err:
         raise ConfigError(f"inference.tp_size={inf.tp_size}: {err}") from None
     cuda = hw.device == "cuda"
@@ -55,6 +56,7 @@ def infer_plan(config, spec) -> dict:
         "hardware": hw.name, "memory_bytes": hw.memory_bytes,
         "request": {"precision": inf.precision.name, "batch_size": inf.batch_size,
                     "prompt_len": inf.prompt_len, "gen_len": inf.gen_len, "tp_size": inf.tp_size,
+                    "attn_implementation": inf.attn_implementation.name,
                     "double_quant": inf.double_quant},
         "per_gpu": {"weight_bytes": est["weight_bytes"], "kv_cache_bytes": est["kv_cache_bytes"],
                     "activation_bytes": activation, "peak_phase": est["peak_phase"],
@@ -64,7 +66,9 @@ def infer_plan(config, spec) -> dict:
         "weight_breakdown": est["weight_breakdown"],
         "fits": total <= hw.memory_bytes,
         "notes": ["weights: Linear layers quantized as transformers' bitsandbytes integration does "
-                  "(lm_head, embeddings, norms stay 16-bit); KV cache in 16 bits; launcher/infer.py",
+                  "(lm_head, embeddings, norms stay in the load dtype); KV cache in the load dtype "
+                  f"({infer.value_bytes(inf.precision.name) * 8} bits); {inf.attn_implementation.name} attention; "
+                  "launcher/infer.py",
                   "device total = peak tensor bytes + CUDA context"
                   + (" + NCCL (one process group)" if inf.tp_size > 1 else "")
                   + "; the allocator's reserve above allocated is not included"],

@@ -59,3 +59,22 @@ def test_table_and_one_line_errors(cli):
     bad = cli("model=llama-2-70b", "mode=infer_plan", "gpus=3", "inference.tp_size=3", timeout=300)
     assert bad.returncode == 2
     assert "inference.tp_size=3" in bad.stderr
+
+
+def test_eager_attention_is_planned_when_asked():
+    """inference.attn_implementation reaches the estimate: eager holds the largest forward's
+    attention scores (a prompt's q x k per head), sdpa does not."""
+    from launcher.app import model_spec
+    from launcher.cli import compose
+    from launcher.infer_plan import infer_plan
+
+    def plan(attn):
+        config = compose(["model=llama-3.1-8b", "hardware=a100-80g", "mode=plan", "inference.prompt_len=4096",
+                          "inference.gen_len=16", f"inference.attn_implementation={attn}"])
+        return infer_plan(config, model_spec(config))
+
+    sdpa, eager = plan("sdpa"), plan("eager")
+    assert eager["request"]["attn_implementation"] == "eager"
+    scores = 32 * 4096 * 4096 * 2  # one layer's 16-bit scores over the prompt, 32 heads
+    assert eager["per_gpu"]["activation_bytes"] > sdpa["per_gpu"]["activation_bytes"] + scores
+    assert eager["per_gpu"]["weight_bytes"] == sdpa["per_gpu"]["weight_bytes"]
