@@ -85,11 +85,10 @@ class OptimizerInBackward:
         if len(group["params"]) != len(self.params):
             raise ConfigError(f"the checkpoint's optimizer holds {len(group['params'])} parameters, this model trains "
                               f"{len(self.params)}: resume the run it was saved by")
-        for i, (opt, index) in enumerate(zip(self.optimizers, group["params"])):
+        for opt, index in zip(self.optimizers, group["params"]):
             state = state_dict["state"].get(index, state_dict["state"].get(str(index)))
             opt.load_state_dict({"state": {0: state} if state is not None else {},
                                  "param_groups": [{**group, "params": [0]}]})
-
 
 
 class _Schedulers:
