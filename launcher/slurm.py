@@ -40,6 +40,9 @@ SAFE_VALUE = re.compile(r"[A-Za-z0-9_.,:@+\-]+")
 itself, not a shell, so values are restricted instead of quoted)."""
 BUSY_STATES = {"", "PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED", "RESIZING",
                "SUSPENDED", "UNKNOWN", "READY"}
+QUEUED_STATES = BUSY_STATES | {"REQUEUE_HOLD", "REQUEUE_FED", "SIGNALING", "STAGE_OUT", "STOPPED", "SPECIAL_EXIT"}
+"""squeue states of a job that has not ended: a requeued job passes through REQUEUED (or
+REQUEUE_HOLD) on its way back to PENDING, which squeue lists only with --states=all."""
 SCRIPT_NAME = "sbatch.sh"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -200,11 +203,17 @@ def sacct_state(job_id: str) -> str:
 
 
 def in_queue(job_id: str) -> bool:
+    """Whether the job has not ended: squeue (every state) lists it in a state of `QUEUED_STATES`.
+    A job squeue no longer knows ('Invalid job id') has left; any other failure (slurmctld busy,
+    e.g. while it requeues the job) counts as still queued."""
     try:
-        proc = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30)
+        proc = subprocess.run(["squeue", "-h", "--states=all", "-j", job_id, "-o", "%T"], capture_output=True,
+                              text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return True
-    return proc.returncode == 0 and bool(proc.stdout.strip())
+    if proc.returncode != 0:
+        return "invalid job id" not in proc.stderr.lower()
+    return any(state.strip() in QUEUED_STATES - {""} for state in proc.stdout.split())
 
 
 def wait_for_end(sjob, timeout_s: float, poll_s: float = 2.0, settle_s: float = 30.0) -> str:
@@ -216,9 +225,11 @@ def wait_for_end(sjob, timeout_s: float, poll_s: float = 2.0, settle_s: float = 
     gone_polls = 0
     while True:
         queued = in_queue(sjob.job_id)
-        if sjob.done(force_check=True) and not queued:  # a requeued job is back in the queue: not done
-            break
         gone_polls = gone_polls + 1 if not queued else 0
+        # a requeued job is back in the queue: not done; two polls apart, so that a requeue in
+        # progress (the last run ended, the job not yet pending again) is not taken for the end
+        if gone_polls >= 2 and sjob.done(force_check=True):
+            break
         if gone_polls >= 3:  # left the queue, but neither a result nor accounting says so yet
             break
         if time.monotonic() > deadline:
