@@ -417,6 +417,12 @@ def suggestions(config: LauncherConfig, cluster: Cluster) -> list[str]:
     if config.peft.method.name == "none" and not config.training.allow_peft:
         out.append("LoRA adapters instead of full fine-tuning (peft=lora, or training.allow_peft=true "
                    "to plan both)")
+    if (cluster.num_gpus == 1 and cluster.device == "cuda" and config.peft.method.name == "none"
+            and not config.training.optimizer_in_backward):
+        bf16 = "" if config.training.precision.name == "bf16-true" else " training.precision=bf16-true"
+        out.append("torchtune's low-memory recipe: bf16 weights, each gradient freed as its parameter is "
+                   "stepped, the optimizer states paged out (strategy=single training.optimizer_in_backward=true "
+                   f"training.max_grad_norm=0 training.optimizer=paged_adamw_8bit{bf16})")
     if config.training.seq_len > 256:
         out.append(f"shorter sequences (training.seq_len={config.training.seq_len // 2})")
     return out

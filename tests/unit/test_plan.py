@@ -68,6 +68,10 @@ def test_nothing_fits_says_what_would(tmp_path):
     assert plan.chosen is None and not any(c.fits for c in plan.candidates)
     assert any("nothing fits" in n and "gpus=4" in n for n in plan.notes)
     assert all(c.reason.startswith("OOM") for c in plan.candidates)
+    # stepping in backward with a paged optimizer is a one-GPU way out (strategy=single only)
+    assert not any("optimizer_in_backward" in n for n in plan.notes)
+    one, _ = make_plan(tmp_path, "gpus=1", "hardware.memory_bytes=1000000")
+    assert any("nothing fits" in n and "training.optimizer_in_backward=true" in n for n in one.notes)
 
 
 def test_more_gpus_never_need_more_memory_per_gpu_under_zero3(tmp_path):
