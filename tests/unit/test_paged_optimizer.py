@@ -15,8 +15,8 @@ from launcher.hardware import cluster_from
 bnb = pytest.importorskip("bitsandbytes")
 
 
-def _plan(optimizer: str, cache: str):
-    config = compose([cache, "model=small-llama", "hardware=a100-80g", "gpus=1", "strategy=single",
+def _plan(optimizer: str, cache: str, hardware: str = "a100-80g"):
+    config = compose([cache, "model=small-llama", f"hardware={hardware}", "gpus=1", "strategy=single",
                       "training.precision=bf16-true", "training.seq_len=64", "training.micro_batch_size=1",
                       f"training.optimizer={optimizer}"])
     spec = model_spec(config)
@@ -50,3 +50,22 @@ def test_paged_states_are_off_the_device_peak_and_in_host_memory(trace_cache):
     # the paged fp32 states (8 B per parameter) are not in torch's counters; torch's bf16 AdamW
     # keeps 4 B per parameter on the device, all of it
     assert paged.peak_allocated_bytes < torch_adamw.peak_allocated_bytes - real // 2
+
+
+def test_a_traced_optimizer_is_not_modelled_again(trace_cache):
+    """transformers' Adafactor is stepped by the tracer: the plan's optimizer states are the traced
+    ones, equal to a real step's state bytes, with no modelled copy beside them (CPU processes: no
+    allocator rounding)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.optimization import Adafactor
+
+    memory, spec = _plan("adafactor", trace_cache, hardware="cpu")
+    fields = {k: v for k, v in spec.hf_config.items() if k != "model_type"}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(spec.hf_config["model_type"], **fields),
+                                             dtype=torch.bfloat16)
+    opt = Adafactor(model.parameters(), lr=1e-3, scale_parameter=False, relative_step=False, warmup_init=False)
+    ids = torch.randint(0, spec.hf_config["vocab_size"], (1, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    real = sum(t.untyped_storage().nbytes() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+    assert memory.breakdown["optimizer_states"] == real

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from launcher.backends.base import LayoutSet
 from launcher.config import DDPConfig
-from launcher.memory.common import Layout, add_modelled_states, grad_ready_order, modelled_state_bytes, trainable_params
-from launcher.precision import torch_trace_request
+from launcher.memory.common import Layout, add_modelled_states, grad_ready_order, trainable_params
+from launcher.precision import TRACE_OPTIMIZER, torch_trace_request
 from launcher.steptrace import Kind, StepTrace
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
@@ -53,10 +53,12 @@ def ddp_layout(trace: StepTrace, ddp: DDPConfig, dp_size: int, optimizer: str = 
     (`modelled_state_bytes`, one per trainable parameter) live for the whole step and their
     in-place update adds no temporary (common.py `optimizer_step_temp_numel`)."""
     p = trace.params
-    shapes = [p.shapes[i] if p.shapes else (int(p.numel[i]),) for i in trainable_params(trace)]
-    layout = Layout.of(trace, step_events=1 if modelled_state_bytes(optimizer, shapes) is not None else 0)
+    untraced = TRACE_OPTIMIZER.get(optimizer) == "none"  # the tracer did not step it (bitsandbytes')
+    layout = Layout.of(trace, step_events=1 if untraced else 0)
     layout.hoist_persistent(Kind.OPTIM)
-    add_modelled_states(layout, optimizer, shapes)
+    if untraced:
+        add_modelled_states(layout, optimizer, [p.shapes[i] if p.shapes else (int(p.numel[i]),)
+                                                for i in trainable_params(trace)])
     if not wrapped:
         return layout
     buckets = bucket_bytes(trace, ddp.bucket_cap_mb)
