@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from launcher import host_time, speed, trace
 from launcher.backends import registry
-from launcher.backends.base import Ask
+from launcher.backends.base import Ask, peft_kind
 from launcher.backends.colossalai import runtime as colossalai_runtime
 from launcher.backends.registry import backend_of
 from launcher.candidate_memo import CandidateMemo
@@ -156,8 +156,7 @@ def launch_problem(strategy: Strategy, spec: ModelSpec, peft: dict | None = None
     if (peft or {}).get("quant_type") and any(spec.hf_config.get(k) for k in ("num_local_experts", "num_experts")):
         return ("QLoRA of 3D expert parameters: estimated 4-bit per expert, but the worker's bitsandbytes "
                 "conversion quantizes nn.Linear only: estimate only")
-    kind = "qlora" if (peft or {}).get("quant_type") else ("lora" if peft else "none")
-    estimate_only = backend_of(strategy).rules(strategy).estimate_only.get(kind)
+    estimate_only = backend_of(strategy).rules(strategy).estimate_only.get(peft_kind(peft))
     if estimate_only:
         return estimate_only
     hook = backend_of(strategy).launch_problem

@@ -93,8 +93,8 @@ def problems(c: LauncherConfig, argv: list[str] | None = None) -> list[str]:
                    "use strategy=ddp (or auto)")
     if t.learning_rate <= 0:
         out.append(f"training.learning_rate={t.learning_rate}: must be positive")
-    if t.optimizer_in_backward and in_backward_problem(t.max_grad_norm, t.precision.name, 1):
-        out.append(in_backward_problem(t.max_grad_norm, t.precision.name, 1))
+    in_backward = in_backward_problem(t.max_grad_norm, t.precision.name, 1) if t.optimizer_in_backward else ""
+    out += [in_backward] if in_backward else []
     if c.planner.safety_margin is not None and not 0 <= c.planner.safety_margin < 1:
         out.append(f"planner.safety_margin={c.planner.safety_margin}: must be in [0, 1), e.g. 0.05")
     if c.planner.max_micro_batch_size < 1:

@@ -34,6 +34,13 @@ class Ask:
     optimizer_in_backward: bool = False  # training.optimizer_in_backward
 
 
+def peft_kind(peft: dict | None) -> str:
+    """'none', 'lora' or 'qlora' (a quantized base) of a run's peft settings (LoraSettings.to_dict())."""
+    if not peft:
+        return "none"
+    return "qlora" if peft.get("quant_type") else "lora"
+
+
 def in_backward_problem(max_grad_norm: float, precision: str, grad_accum_steps: int) -> str:
     """Why a run cannot step its optimizer in the backward pass (training.optimizer_in_backward), or
     '': each parameter is stepped as its gradient arrives, so nothing may need all gradients first

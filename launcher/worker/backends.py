@@ -17,20 +17,13 @@ HF TrainingArguments' `optim` names.
 from __future__ import annotations
 
 from launcher.backends import registry
-from launcher.backends.base import Ask, in_backward_problem
+from launcher.backends.base import Ask, in_backward_problem, peft_kind
 from launcher.environment import detect
 from launcher.errors import ConfigError
 from launcher.types import Strategy
 from launcher.worker.optim import OPTIMIZERS
 
 SINGLE = "single"  # the strategy that runs one process without a data-parallel wrapper
-
-
-def peft_kind(peft: dict | None) -> str:
-    """'none', 'lora' or 'qlora' (a quantized base) of a run's peft settings."""
-    if not peft:
-        return "none"
-    return "qlora" if peft.get("quant_type") else "lora"
 
 
 def check_backend(spec, world_size: int) -> None:
