@@ -33,6 +33,13 @@ def _squeue(job_id: str) -> str:
     return subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30).stdout
 
 
+def _accounting(job_id: str) -> str:
+    """Every run of the job as sacct recorded it, to say why a failed job ended."""
+    return "\nsacct:\n" + subprocess.run(
+        ["sacct", "-X", "-D", "-P", "-j", job_id, "-o", "JobID,State,ExitCode,Reason,Start,End"],
+        capture_output=True, text=True, timeout=30).stdout
+
+
 def _cap(cache: str) -> int:
     """A device between the estimates of the fastest candidate (micro-batch 4) and the next."""
     from launcher import app, cli, planner
@@ -65,18 +72,22 @@ def test_out_of_memory_falls_back_in_the_job_and_requeue_continues(slurm_cluster
             time.sleep(0.5)
         job_id = (run / "slurm_job_id").read_text().strip()
         submitit.SlurmJob(folder=run / "slurm", job_id=job_id)._interrupt()  # preemption: SIGTERM, then USR2
-        # Slurm holds a requeued job for about two minutes before it may start again; let it start now
+        # Slurm holds a requeued job for about two minutes before it may start again; let it start
+        # sooner, but not in the second its last run ended: a credential created no later than the
+        # second the old one was revoked is refused (src/common/slurm_cred.c: ctime <= revoked), and
+        # slurmctld then ends the job FAILED ("Killing non-startable batch JobId=1: Job credential
+        # revoked") without running it
         while not (second / "stopped-1.json").exists() and "PENDING" not in _squeue(job_id):
             assert proc.poll() is None and time.monotonic() < deadline + 120, proc.communicate()[1][-3000:]
             time.sleep(0.5)
-        while "PENDING" in _squeue(job_id):
+        if "PENDING" in _squeue(job_id):
+            time.sleep(2)
             subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True, timeout=30)
-            time.sleep(1)
         out, err = proc.communicate(timeout=400)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
-    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    assert proc.returncode == 0, out[-2000:] + err[-3000:] + _accounting(job_id)
     assert f"Slurm job {job_id}: COMPLETED" in out
 
     # the fallback ran inside the job: attempt 2 continued from attempt 1's step-2 checkpoint
