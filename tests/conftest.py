@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from launcher.config import register_schema
+from slurm_cluster import slurm_cluster  # noqa: F401  (one local Slurm cluster for the whole session)
 
 register_schema()  # tests compose conf/ through Hydra directly, as the entry points do
 

@@ -1,13 +1,11 @@
 """A real single-node Slurm cluster (with slurmdbd accounting) for tests, via scripts/slurm-local.
 
-Use as a session fixture in a test module::
-
-    from slurm_cluster import slurm_cluster  # noqa: F401  (tests/ is on sys.path via conftest.py)
+tests/conftest.py registers the session fixture once, so every test module shares one cluster::
 
     def test_x(slurm_cluster): ...          # SLURM_CONF is set; slurm_cluster is the state dir
 
-The cluster lives in a fresh state directory, so job ids restart at 1: give every submitit
-executor a fresh folder, or results of an earlier session's job 1 would be read back.
+The cluster lives in a fresh state directory, so job ids restart at 1 in each session: give every
+submitit executor a fresh folder, or results of an earlier session's job 1 would be read back.
 If the Debian packages cannot be installed or the daemons do not come up in time, the
 fixture skips with the script's reason ("Slurm unavailable: apt-get install failed: ...").
 """

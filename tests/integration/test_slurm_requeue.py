@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from slurm_cluster import default_partition, slurm_cluster  # noqa: F401  (session fixture)
+from slurm_cluster import default_partition
 
 pytestmark = [pytest.mark.slurm, pytest.mark.integration]
 
