@@ -213,6 +213,27 @@ def distinct_params(trace: StepTrace) -> list[int]:
     return [i for i in range(len(trace.params.names)) if trace.params.tied_to[i] < 0]
 
 
+def four_bit_params(trace: StepTrace) -> dict:
+    """{parameter index: (packed weight bytes, quantization-state bytes)} of the 4-bit base weights
+    of a QLoRA trace: the tracer replaced each one's storage bytes by its bitsandbytes layout
+    (trace.py `_four_bit_rows`, launcher/quant.py), fewer than its elements in the compute dtype.
+    The packed weight is two 4-bit codes per byte (`four_bit_weight_bytes` packed_weight_bytes);
+    the rest (absmax, double-quantization constants, code tables) is the weight's `QuantState`,
+    which bitsandbytes keeps as attributes of the parameter and its module, outside the shards or
+    partitions that FSDP2 and ZeRO-3 make of the packed weight."""
+    p, out = trace.params, {}
+    rows = np.nonzero(trace.kind == Kind.PARAM)[0]
+    for row in rows:
+        i = int(trace.param[row])
+        if i < 0 or p.trainable[i]:
+            continue
+        stored, full = int(trace.nbytes[row]), int(p.numel[i]) * int(p.element_size[i])
+        if stored < full:
+            packed = (int(p.numel[i]) + 1) // 2
+            out[i] = (packed, stored - packed)
+    return out
+
+
 def full_depth_numels(trace: StepTrace, num_layers: int, frozen_too: bool = False) -> list[int]:
     """The trainable (`frozen_too`: all) parameters of the real-depth model in forward order: the
     shallow trace's parameters before its first layer, its layer-0 parameters repeated

@@ -128,7 +128,8 @@ def test_sharded_qlora_matches_fully_shard():
     (each weight's QuantState), on a fake 2-rank process group, against the FSDP2 layout's
     `sharded_params` and `quant_state` terms on the traced QLoRA step."""
     from launcher import trace
-    from launcher.backends.fsdp2.layout import four_bit_params, fsdp2_layout, setup
+    from launcher.backends.fsdp2.layout import fsdp2_layout, setup
+    from launcher.memory.common import four_bit_params
     from launcher.types import Workload
 
     real = json.loads(subprocess.run([sys.executable, "-c", QLORA_SHARDS], capture_output=True, text=True, check=True,

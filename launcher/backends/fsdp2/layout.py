@@ -63,7 +63,7 @@ import numpy as np
 
 from launcher.backends.base import LayoutSet
 from launcher.backends.fsdp2.rules import mixed_precision, model_dtype, reshard_after_forward
-from launcher.memory.common import (DTYPE_BYTES, Layout, distinct_params, grad_ready_order,
+from launcher.memory.common import (DTYPE_BYTES, Layout, distinct_params, four_bit_params, grad_ready_order,
                                     optimizer_step_temp_numel)
 from launcher.steptrace import Kind, StepTrace
 from launcher.types import Strategy
@@ -94,26 +94,6 @@ def _shape(trace: StepTrace, i: int, four_bit: dict | None = None) -> tuple:
     if four_bit and i in four_bit:
         return (four_bit[i][0] // int(p.element_size[i]), 1)
     return tuple(p.shapes[i]) if p.shapes else (int(p.numel[i]),)
-
-
-def four_bit_params(trace: StepTrace) -> dict:
-    """{parameter index: (packed weight bytes, quantization-state bytes)} of the 4-bit base weights
-    of a QLoRA trace: the tracer replaced each one's storage bytes by its bitsandbytes layout
-    (trace.py `_four_bit_rows`, launcher/quant.py), fewer than its elements in the compute dtype.
-    The packed weight is two 4-bit codes per byte (`four_bit_weight_bytes` packed_weight_bytes);
-    the rest (absmax, double-quantization constants, code tables) is the weight's `QuantState`,
-    which bitsandbytes keeps as attributes of the parameter and its module, outside FSDP2's shards."""
-    p, out = trace.params, {}
-    rows = np.nonzero(trace.kind == Kind.PARAM)[0]
-    for row in rows:
-        i = int(trace.param[row])
-        if i < 0 or p.trainable[i]:
-            continue
-        stored, full = int(trace.nbytes[row]), int(p.numel[i]) * int(p.element_size[i])
-        if stored < full:
-            packed = (int(p.numel[i]) + 1) // 2
-            out[i] = (packed, stored - packed)
-    return out
 
 
 def chunk_numels(shape: tuple, world: int) -> tuple[int, list[int]]:
@@ -424,7 +404,7 @@ QLORA_NOTE = (
     "Sharded QLoRA: the 4-bit weights are stored as compute-dtype elements (bitsandbytes quant_storage) "
     "and sharded, gathered and freed like the other frozen parameters; their quantization states "
     "(absmax, double-quantization constants) are replicated on every rank; the rest of the base stays in "
-    "the compute dtype (launcher/backends/fsdp2/layout.py `four_bit_params`).")
+    "the compute dtype (launcher/memory/common.py `four_bit_params`).")
 
 
 def trace_request(strategy: Strategy, workload) -> dict:
