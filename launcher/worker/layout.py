@@ -60,7 +60,42 @@ def load_neutral_weights(model, directory: Path) -> None:
     import torch
 
     state = torch.load(Path(directory) / MODEL, map_location="cpu", weights_only=True)
-    model.load_state_dict(state)
+    load_model_state(model, state)
+
+
+def four_bit_weights(model) -> set:
+    """Names of the model's bitsandbytes 4-bit weights (`Params4bit`, QLoRA's frozen base)."""
+    return {name for name, p in model.named_parameters() if type(p).__name__ == "Params4bit"}
+
+
+def model_state(model) -> dict:
+    """The model's state_dict without its frozen 4-bit weights (`load_model_state`)."""
+    frozen = four_bit_weights(model)
+    return {k: v for k, v in model.state_dict().items() if not _of(k, frozen)}
+
+
+def load_model_state(model, state: dict) -> None:
+    """`model.load_state_dict(state)`, strict, except for QLoRA's frozen 4-bit weights. bitsandbytes
+    saves each one's QuantState under extra keys (`weight.absmax`, `weight.quant_map`, ...;
+    bitsandbytes/nn/modules.py `Linear4bit._save_to_state_dict`) that no `_load_from_state_dict`
+    takes back, so a strict load of its own state_dict fails. They never change in training and the
+    resumed run rebuilds them as the first run did (the same initialization or checkpoint, then the
+    same quantization), so they are neither saved (`model_state`) nor loaded; every other entry must
+    match."""
+    frozen = four_bit_weights(model)
+    if not frozen:
+        model.load_state_dict(state)
+        return
+    result = model.load_state_dict({k: v for k, v in state.items() if not _of(k, frozen)}, strict=False)
+    missing = [k for k in result.missing_keys if not _of(k, frozen)]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"checkpoint does not match the model: missing {missing[:3]}, "
+                           f"unexpected {result.unexpected_keys[:3]}")
+
+
+def _of(key: str, weights: set) -> bool:
+    """Whether state_dict `key` is one of `weights` or an entry saved under it."""
+    return key in weights or key.rsplit(".", 1)[0] in weights or key.split(".quant_state.")[0] in weights
 
 
 def neutral_optimizer(directory: Path) -> dict:

@@ -103,14 +103,16 @@ class DDPBackend:
 
         if rank == 0:  # DDP keeps model and optimizer state identical on every rank
             for name, obj in self._states().items():
-                torch.save(obj.state_dict(), directory / f"{name}.pt")
+                state = layout.model_state(obj) if name == "model" else obj.state_dict()
+                torch.save(state, directory / f"{name}.pt")
 
     def load(self, directory: Path) -> None:
         import torch
 
         device = next(self.model.parameters()).device
         for name, obj in self._states().items():
-            obj.load_state_dict(torch.load(directory / f"{name}.pt", map_location=device, weights_only=True))
+            state = torch.load(directory / f"{name}.pt", map_location=device, weights_only=True)
+            layout.load_model_state(obj, state) if name == "model" else obj.load_state_dict(state)
         self._meter.track_external(self.module, self.optimizer)
 
     def load_neutral(self, directory: Path) -> None:

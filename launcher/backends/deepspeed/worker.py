@@ -105,7 +105,10 @@ class DeepSpeedBackend:
         self.engine.save_checkpoint(str(directory), tag=DS_TAG, save_latest=False)
 
     def load(self, directory: Path) -> None:
-        path, _ = self.engine.load_checkpoint(str(directory), tag=DS_TAG)
+        # QLoRA's frozen 4-bit weights save QuantState entries no strict load takes back
+        # (layout.load_model_state); HF Trainer loads every PEFT model non-strictly for the same reason
+        strict = not layout.four_bit_weights(self.engine.module)
+        path, _ = self.engine.load_checkpoint(str(directory), tag=DS_TAG, load_module_strict=strict)
         if path is None:
             raise ConfigError(f"DeepSpeed could not load the checkpoint in {directory}")
         self._meter.track_external(self.engine.module, self._base_optimizer)
