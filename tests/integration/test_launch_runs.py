@@ -73,7 +73,8 @@ def test_single_process_unwrapped_measures_as_estimated(cli, in_backward):
               "training.precision=bf16-true", "training.optimizer=paged_adamw_32bit"]
              if in_backward else ["model=tiny-llama", "training.precision=32-true"])
     r = cli("hardware=cpu", "gpus=1", "mode=measure", "strategy=single",
-            "training.micro_batch_size=2", "training.seq_len=64", "training.max_steps=4", *extra, timeout=600)
+            "training.micro_batch_size=2", "training.seq_len=64", "training.max_steps=4", "measure.memory_steps=2",
+            "measure.timing_steps=0", *extra, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     (run_dir,) = (cli.cwd / "runs").glob("*/*")
     measured = json.loads((run_dir / "measure.json").read_text())

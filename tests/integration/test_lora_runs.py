@@ -13,8 +13,10 @@ STEPS = 12
 _LOSSES: dict[str, list[float]] = {}
 
 
-# LoRA on ZeRO-2 partitions the adapters as ZeRO-2 partitions any trainable set (the ddp and zero3 runs stay)
-@pytest.mark.parametrize("strategy", ["ddp", pytest.param("zero2", marks=pytest.mark.long), "zero3"])
+# LoRA on ZeRO-2 partitions the adapters as ZeRO-2 partitions any trainable set; ZeRO-3's partitioned
+# and gathered frozen base is also test_accuracy.py's ZeRO-3 QLoRA cell (the ddp run stays)
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("zero2", marks=pytest.mark.long),
+                                      pytest.param("zero3", marks=pytest.mark.long)])
 def test_lora_fine_tunes_through_the_launcher(cli, strategy):
     r = cli("model=tiny-llama", "hardware=cpu", "gpus=2", "mode=run", "peft=lora", f"strategy={strategy}",
             "training.micro_batch_size=2", "training.seq_len=64", f"training.max_steps={STEPS}",
@@ -56,6 +58,13 @@ def test_qlora_fine_tunes_on_cpu_processes_within_one_percent(cli):
     run = json.loads((run_dir / "run.json").read_text())
     assert run["peft"]["quant_type"] == "nf4" and run["peft"]["double_quant"] is True
     _trained_within_one_percent(run_dir, chosen)
+    # resumed from its last checkpoint: the frozen 4-bit base is rebuilt, the adapters and the
+    # optimizer loaded (a QLoRA model cannot strictly load its own state_dict: layout.load_model_state)
+    r = cli(f"resume={run_dir}", f"training.max_steps={STEPS + 2}", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints' / f'step-{STEPS}'} at step {STEPS}" in r.stdout + r.stderr
+    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, STEPS + 3))
 
 
 def _trained_within_one_percent(run_dir, chosen) -> list[float]:

@@ -15,6 +15,7 @@ from launcher import trace as tr  # noqa: E402
 from launcher.config import LauncherConfig, PeftMethod, StrategyName  # noqa: E402
 from launcher.errors import ConfigError  # noqa: E402
 from launcher.memory.common import modelled_state_bytes  # noqa: E402
+from launcher.backends.registry import backend_of  # noqa: E402
 from launcher.planner import variant_problem  # noqa: E402
 from launcher.types import Strategy  # noqa: E402
 
@@ -64,10 +65,12 @@ def test_variant_problems_name_the_reason():
     ddp, z2, z3 = Strategy("ddp", "ddp"), Strategy("zero2", "deepspeed", 2), Strategy("zero3", "deepspeed", 3)
     assert variant_problem(lora, ddp, "cpu") == variant_problem(lora, z2, "cpu") == ""
     assert variant_problem(lora, z3, "cuda") == ""  # LoRA on ZeRO-3 is modelled (frozen base partitioned)
-    assert "DDP only" in variant_problem(qlora, z3, "cuda")
+    # PEFT's ZeRO-3 QLoRA (bf16-stored 4-bit weights, partitioned) runs, on CPU processes too
+    assert variant_problem(qlora, z3, "cuda") == variant_problem(qlora, z3, "cpu") == ""
+    assert "qlora" not in backend_of(z3).rules(z3).estimate_only
     assert variant_problem(qlora, ddp, "cpu") == ""  # bitsandbytes quantizes and multiplies on the CPU too
-    assert "DDP only" in variant_problem(qlora, z2, "cpu")
-    assert "DDP only" in variant_problem(qlora, z2, "cuda")
+    assert "ZeRO-3 only" in variant_problem(qlora, z2, "cpu")
+    assert "ZeRO-3 only" in variant_problem(qlora, z2, "cuda")
     assert variant_problem(qlora, ddp, "cuda") == ""
 
 
@@ -145,3 +148,39 @@ def test_adapter_dtype_is_what_the_trace_is_told(autocast):
     dtypes = {p.dtype for n, p in model.named_parameters() if "lora_" in n}
     assert dtypes == {torch.float32 if autocast else torch.bfloat16}
     assert lp.trace_fields(lora, True, {})["adapter_autocast"] is autocast
+
+
+def _qlora_model():
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=320, num_hidden_layers=1)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    lora = lp.LoraSettings(r=4, alpha=8, dropout=0.0, quant_type="nf4", double_quant=True, compute_dtype="bfloat16",
+                           upcast_non_quantized=False)
+    return lp.apply_lora(lp.quantize_base_4bit(model, lora, "cpu"), lora)
+
+
+def test_qlora_checkpoint_state_loads_back():
+    """bitsandbytes saves a 4-bit weight's QuantState under extra state_dict keys that no strict
+    load takes back: a QLoRA model cannot load its own state_dict. The checkpoint state leaves the
+    frozen 4-bit weights out (the resumed run rebuilds them identically) and loads every other
+    entry strictly."""
+    from launcher.worker.layout import four_bit_weights, load_model_state, model_state
+
+    trained = _qlora_model()
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        _qlora_model().load_state_dict(trained.state_dict())
+    adapters = [n for n, p in trained.named_parameters() if p.requires_grad]
+    with torch.no_grad():
+        for n, p in trained.named_parameters():
+            if p.requires_grad:
+                p.add_(1.0)
+    state = model_state(trained)
+    frozen = four_bit_weights(trained)
+    assert frozen and not any(k.startswith(tuple(frozen)) for k in state)
+    resumed = _qlora_model()
+    load_model_state(resumed, state)
+    own = dict(resumed.named_parameters())
+    assert all(torch.equal(own[n], dict(trained.named_parameters())[n]) for n in adapters)
+    with pytest.raises(RuntimeError, match="missing"):
+        load_model_state(_qlora_model(), {k: v for k, v in state.items() if k != adapters[0]})

@@ -23,6 +23,6 @@ BACKEND = Backend(
     worker="launcher.backends.deepspeed.worker:DeepSpeedBackend",
     check_worker_config="launcher.backends.deepspeed.worker:check_config",
     knobs=("deepspeed",),
-    adapter_autocast=False,
+    adapter_autocast=False, peft_settings=rules.peft_settings,
     to_neutral="launcher.backends.deepspeed.checkpoint:to_neutral",
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from launcher.backends.base import LayoutSet
 from launcher.backends.deepspeed.emit import unsupported_reason
 from launcher.backends.deepspeed.layout import ZeroSetup, gradient_partitions, zero0_layout, zero12_layout
-from launcher.backends.deepspeed.zero3 import full_depth_numels, gathered_param_bytes, zero3_layout
+from launcher.backends.deepspeed.zero3 import full_depth_numels, gathered_numels, gathered_param_bytes, zero3_layout
 from launcher.errors import ConfigError
 from launcher.memory.common import DTYPE_BYTES
 from launcher.precision import FRAMEWORK
@@ -40,7 +40,8 @@ def memory(traces: TraceSet, strategy: Strategy, workload: Workload, knobs, dp: 
     layouts = tuple(build(t, z) for t in (traces.depth1, traces.depth2))
     gathered = None
     if z.stage == 3:  # all kept: on the per-depth curve (zero3.py gathered_param_terms)
-        gathered = gathered_param_bytes(full_depth_numels(traces.depth1, traces.num_layers, frozen_too=True), z)
+        gathered = gathered_param_bytes(full_depth_numels(traces.depth1, traces.num_layers, frozen_too=True,
+                                                          numel=gathered_numels(traces.depth1)), z)
         gathered = (0, True) if gathered[1] else gathered
     return LayoutSet(groups=(((), layouts),), traces=traces, notes=deepspeed_notes(z, gathered), gathered=gathered)
 

@@ -21,8 +21,8 @@ import math
 
 from launcher.steptrace import Kind, Role, StepTrace
 
-from launcher.memory.common import (Layout, distinct_params, free_at_next_ready, full_depth_numels,  # noqa: F401
-                     grad_ready_order, optimizer_step_temp_numel, trainable_params)
+from launcher.memory.common import (Layout, distinct_params, four_bit_params, free_at_next_ready,  # noqa: F401
+                     full_depth_numels, grad_ready_order, optimizer_step_temp_numel, trainable_params)
 from launcher.backends.deepspeed.layout import ZeroSetup, _states, numels
 
 
@@ -33,6 +33,35 @@ def partition_numel(numel: int, dp: int) -> int:
     """partition_parameters.py `_partition_param`: each parameter is padded to a multiple of dp
     (`_padding_size`) and split evenly: ceil(numel / dp) elements per rank."""
     return math.ceil(numel / dp)
+
+
+def zero_numels(trace: StepTrace) -> dict:
+    """{parameter index: numel} of the parameters whose partitioned numel is not the traced one: a
+    QLoRA base weight stored with bitsandbytes `quant_storage` in the model's 16-bit dtype, as PEFT's
+    DeepSpeed guide runs ZeRO-3 QLoRA (bnb_4bit_quant_storage=bfloat16), is a (packed bytes /
+    element size, 1) tensor (bitsandbytes functional.py `quantize_4bit`), and ZeRO-3 partitions,
+    gathers and releases that tensor like any frozen parameter of its dtype
+    (partition_parameters.py `_partition_param` works on `param.ds_numel`). Its quantization state
+    stays whole on every rank (`four_bit_params`)."""
+    p = trace.params
+    return {i: packed // int(p.element_size[i]) for i, (packed, _) in four_bit_params(trace).items()}
+
+
+def forward_only_params(trace: StepTrace) -> set:
+    """Frozen parameters that no backward fetches again: the token/position embeddings (and their
+    norms) of a model whose embeddings are all frozen (LoRA's base) compute from integer ids, so
+    their outputs need no gradient and their modules run no backward (DeepSpeed hooks a module's
+    backward through its outputs, parameter_offload.py `_post_forward_module_hook` /
+    `_run_before_backward_function`). After their forward, `__params_to_release` finds no later use
+    in the step's module trace and releases them. An embedding tied to the LM head is used again
+    there, and is not one of them. Not modelled: the frozen Linears of the first decoder layer whose
+    inputs need no gradient either (e.g. the k_proj base of a q, v LoRA), held to that layer's backward."""
+    p = trace.params
+    embeddings = [i for i in distinct_params(trace) if p.role[i] == Role.EMBEDDING]
+    if "embedding" not in trace.layer_bounds or any(p.trainable[i] for i in embeddings):
+        return set()
+    tied = {int(j) for j in p.tied_to if j >= 0}
+    return {i for i in embeddings if i not in tied}
 
 
 def sub_groups(part_sizes: list[int], sub_group_size: int) -> list[int]:
@@ -72,11 +101,16 @@ def zero3_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
     parts = [partition_numel(n, dp) for n in sizes]
     total_part = sum(parts)
     p = trace.params
-    every = [int(p.numel[i]) for i in distinct_params(trace)]
-    frozen = [int(p.numel[i]) for i in distinct_params(trace) if not p.trainable[i]]
+    packed = zero_numels(trace)
+    numel = lambda i: packed.get(i, int(p.numel[i]))  # noqa: E731
+    every = [numel(i) for i in distinct_params(trace)]
+    frozen = [numel(i) for i in distinct_params(trace) if not p.trainable[i]]
     persistent = sum(n for n in every if n <= z.ds.stage3_param_persistence_threshold)
     layout = Layout.of(trace, reduce_events=1, step_events=2)
     layout.drop(Kind.PARAM)
+    quant_state = sum(q for _, q in four_bit_params(trace).values())
+    if quant_state:  # QLoRA: each 4-bit weight's QuantState, whole on every rank (`zero_numels`)
+        layout.add("quant_state", "parameters", quant_state)
     off_opt, off_par = z.offload_optimizer, z.offload_params
     # _create_fp16_partitions_with_defragmentation: one flat buffer of this rank's partitions of
     # the trainable parameters (param offload: `_create_param_groups_fp16_flat_cpu_memory`, host)
@@ -152,7 +186,14 @@ def gathered_param_bytes(sizes: list[int], z: ZeroSetup) -> tuple[int, bool]:
 def all_kept_gathered(trace: StepTrace, z: ZeroSetup) -> bool:
     """No parameter of the real-depth model, frozen or trainable, is released between its forward
     and its backward (`gathered_param_bytes` at full depth)."""
-    return gathered_param_bytes(full_depth_numels(trace, z.num_layers or trace.num_layers, frozen_too=True), z)[1]
+    return gathered_param_bytes(full_depth_numels(trace, z.num_layers or trace.num_layers, frozen_too=True,
+                                                  numel=gathered_numels(trace)), z)[1]
+
+
+def gathered_numels(trace: StepTrace) -> dict:
+    """`zero_numels`, with 0 for the parameters released after their forward and never gathered
+    again in the step (`forward_only_params`): none of them is alive at a backward peak."""
+    return {**zero_numels(trace), **{i: 0 for i in forward_only_params(trace)}}
 
 
 def fetch_event(trace: StepTrace, role: int) -> int:
@@ -186,11 +227,15 @@ def gathered_param_terms(layout: Layout, trace: StepTrace, z: ZeroSetup) -> None
     ready = dict(grad_ready_order(t))
     released = module_backward_events(t, ready)
     fallback = layout.reduce_ev(0)
+    packed = zero_numels(t)
+    forward_only = forward_only_params(t)
     for i in distinct_params(t):
-        n = int(t.params.numel[i])
+        n = packed.get(i, int(t.params.numel[i]))
         if n <= z.ds.stage3_param_persistence_threshold:
             continue
         end = int(layout.ev(released[i])) + 1 if i in released else fallback
+        if i in forward_only:  # released after its module's forward (`forward_only_params`)
+            end = int(layout.ev(t.layer_bounds["embedding"][1]))
         layout.add("gathered_params", "parameters", e * n, fetch_event(t, int(t.params.role[i])), end,
                    stream=AG_STREAM if z.overlap_comm else 0)
 
