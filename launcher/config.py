@@ -266,6 +266,10 @@ class PeftConfig:
     modules_to_save: Optional[List[str]] = None
     """Modules trained in full next to the adapters, e.g. [embed_tokens,lm_head] (LoraConfig
     modules_to_save: peft keeps the frozen original and a trainable copy of each)."""
+    train_base: bool = False
+    """LoRA: the base model trains too, every parameter next to the adapters, as DeepSpeed-Chat
+    trains its LoRA layers unless --only_optimize_lora is set (dschat/utils/module/lora.py
+    `only_optimize_lora_parameters` is what freezes the base). Not with QLoRA's 4-bit base."""
     quant_type: QuantType = QuantType["nf4"]  # type: ignore[valid-type]
     """QLoRA: 4-bit type of the base Linear weights."""
     double_quant: bool = True

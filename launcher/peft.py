@@ -36,6 +36,7 @@ class LoraSettings:
     target_modules: Optional[tuple] = None  # None = PEFT's default for the architecture
     use_dora: bool = False  # DoRA (peft LoraConfig use_dora): a trained magnitude vector per adapted weight
     modules_to_save: Optional[tuple] = None  # modules trained in full next to the adapters (peft copies them)
+    train_base: bool = False  # the base trains too (DeepSpeed-Chat's LoRA without --only_optimize_lora)
     quant_type: Optional[str] = None  # None (LoRA) | 'nf4' | 'fp4' (QLoRA) | gptq_* | torchao_nf4
     double_quant: bool = True
     compute_dtype: str = "bfloat16"  # QLoRA: dtype of the frozen base (except 4-bit weights)
@@ -76,6 +77,9 @@ def settings_from_config(peft_config) -> Optional[LoraSettings]:
         problems.append(f"peft.r={peft_config.r}: must be at least 1, e.g. peft.r=8")
     if not 0 <= peft_config.dropout < 1:
         problems.append(f"peft.dropout={peft_config.dropout}: must be in [0, 1), e.g. 0.05")
+    if peft_config.train_base and method != "lora":
+        problems.append("peft.train_base=true trains the base weights, which QLoRA keeps 4-bit and frozen; "
+                        "use peft=lora")
     if peft_config.nf4_quantize_chunk < 0:
         problems.append(f"peft.nf4_quantize_chunk={peft_config.nf4_quantize_chunk}: must be 0 (torchao 0.1) "
                         "or a chunk size, e.g. 1048576 (torchao >= 0.2)")
@@ -85,6 +89,7 @@ def settings_from_config(peft_config) -> Optional[LoraSettings]:
     saved = tuple(peft_config.modules_to_save) if peft_config.modules_to_save else None
     return LoraSettings(r=peft_config.r, alpha=peft_config.alpha, dropout=float(peft_config.dropout),
                         target_modules=tm, use_dora=peft_config.use_dora, modules_to_save=saved,
+                        train_base=peft_config.train_base,
                         quant_type=peft_config.quant_type.name if method == "qlora" else None,
                         double_quant=peft_config.double_quant,
                         compute_dtype=peft_config.compute_dtype.name,
@@ -123,10 +128,14 @@ def apply_lora(model, settings: LoraSettings, autocast_adapter_dtype: bool = Tru
 
     cfg = lora_config(settings, model.config.model_type)
     try:
-        return get_peft_model(model, cfg, autocast_adapter_dtype=autocast_adapter_dtype)
+        model = get_peft_model(model, cfg, autocast_adapter_dtype=autocast_adapter_dtype)
     except ValueError as err:
         raise ConfigError(f"peft.target_modules={list(cfg.target_modules)}: "
                           f"{str(err).splitlines()[0]}") from None
+    if settings.train_base:  # DeepSpeed-Chat's LoRA without --only_optimize_lora: nothing frozen
+        for p in model.parameters():
+            p.requires_grad_(True)
+    return model
 
 
 def num_trainable_params(model) -> int:
@@ -307,7 +316,7 @@ class TrainingVariant:
     @property
     def label(self) -> str:
         what = "full" if self.lora is None else (
-            f"lora r={self.lora.r}" if self.lora.quant_type is None
+            f"lora r={self.lora.r}{'+base' if self.lora.train_base else ''}" if self.lora.quant_type is None
             else f"qlora {self.lora.quant_type} r={self.lora.r}")
         return what + (" +ckpt" if self.gradient_checkpointing else "")
 
@@ -351,6 +360,7 @@ def trace_fields(lora: Optional[LoraSettings], adapter_autocast: bool, request: 
     out = {"trainable": "lora", "lora_r": lora.r, "lora_alpha": lora.alpha,
            "lora_dropout": lora.dropout, "lora_target_modules": tuple(lora.target_modules or ()),
            "lora_dora": lora.use_dora, "lora_modules_to_save": tuple(lora.modules_to_save or ()),
+           "lora_train_base": lora.train_base,
            "quant_type": lora.quant_type, "double_quant": lora.double_quant,
            "adapter_autocast": adapter_autocast and lora.autocast_adapter_dtype}
     if lora.quant_type is not None:

@@ -44,10 +44,12 @@ def candidate_to_dict(c: Candidate, capacity_bytes: int) -> dict:
 
 
 def trains_label(c: Candidate) -> str:
-    """What a candidate trains, as the table shows it: 'full', 'lora r=8', 'qlora nf4 r=16',
-    with ' +ckpt' when it recomputes activations (gradient checkpointing)."""
+    """What a candidate trains, as the table shows it: 'full', 'lora r=8' ('lora r=8+base' with the
+    base trained too), 'qlora nf4 r=16', with ' +ckpt' when it recomputes activations (gradient
+    checkpointing)."""
     p = c.peft
-    what = "full" if not p else (f"lora r={p['r']}" if not p.get("quant_type")
+    base = "+base" if p and p.get("train_base") else ""
+    what = "full" if not p else (f"lora r={p['r']}{base}" if not p.get("quant_type")
                                  else f"qlora {p['quant_type']} r={p['r']}")
     return what + (" +ckpt" if c.gradient_checkpointing else "")
 

@@ -92,6 +92,7 @@ class TraceKey:
     lora_target_modules: tuple = ()  # () = PEFT's default for the architecture
     lora_dora: bool = False  # DoRA (LoraConfig use_dora)
     lora_modules_to_save: tuple = ()  # modules peft copies and trains in full (LoraConfig modules_to_save)
+    lora_train_base: bool = False  # the base trains next to the adapters (peft.train_base)
     quant_type: Optional[str] = None  # None | 'nf4' | 'fp4': QLoRA 4-bit base (see trace_step)
     double_quant: bool = False
     kbit_upcast: bool = False  # QLoRA: non-4-bit parameters cast to fp32 (peft prepare_model_for_kbit_training)
@@ -123,6 +124,7 @@ class TraceKey:
         return LoraSettings(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout,
                             target_modules=tuple(self.lora_target_modules) or None,
                             use_dora=self.lora_dora, modules_to_save=tuple(self.lora_modules_to_save) or None,
+                            train_base=self.lora_train_base,
                             quant_type=self.quant_type, double_quant=self.double_quant,
                             compute_dtype=self.param_dtype, upcast_non_quantized=self.kbit_upcast,
                             gptq_group_size=self.gptq_group_size or 128)
@@ -760,8 +762,8 @@ def cache_key(key: TraceKey) -> str:
 
 def _cache_key(key: TraceKey) -> str:
     fields = dataclasses.asdict(key)
-    for name in ("kbit_upcast", "gptq_group_size", "lora_dora", "lora_modules_to_save", "zero3_linear",
-                 "transformers4"):
+    for name in ("kbit_upcast", "gptq_group_size", "lora_dora", "lora_modules_to_save", "lora_train_base",
+                 "zero3_linear", "transformers4"):
         # unset: the key hashes as before the field existed
         if not fields.get(name):
             fields.pop(name, None)

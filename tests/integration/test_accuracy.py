@@ -64,6 +64,21 @@ def test_zero3_qlora_measured_peak_matches_estimate(cli):
     assert chosen["peft"]["quant_storage"] == "bfloat16" and chosen["peft"]["upcast_non_quantized"] is False
 
 
+def test_lora_with_the_base_trained_measured_peak_matches_estimate(cli):
+    """peft.train_base=true (DeepSpeed-Chat's LoRA layers without --only_optimize_lora): the
+    adapters and every base parameter train, so the base gets gradients and optimizer states."""
+    run_dir = cli.cwd / "run"
+    r = cli("model=tiny-llama", "hardware=cpu", "gpus=2", "strategy=ddp", "peft=lora", "peft.train_base=true",
+            "mode=measure", "report=json", "training.seq_len=128", "training.micro_batch_size=2",
+            "training.precision=bf16-mixed", "measure.memory_steps=2", "measure.timing_steps=0",
+            "measure.warmup_steps=1", f"hydra.run.dir={run_dir}", timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    _within_bound(run_dir)
+    plan = json.loads((run_dir / "plan.json").read_text())
+    chosen = plan["candidates"][plan["chosen"]]
+    assert chosen["num_trainable_params"] == plan["model"]["num_params"] and chosen["peft"]["train_base"] is True
+
+
 def _within_bound(run_dir) -> dict:
     """measure.json, after checking each rank's estimated peak is the plan's and within
     BOUND_PERCENT of its measured peak."""

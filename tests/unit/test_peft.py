@@ -184,3 +184,25 @@ def test_qlora_checkpoint_state_loads_back():
     assert all(torch.equal(own[n], dict(trained.named_parameters())[n]) for n in adapters)
     with pytest.raises(RuntimeError, match="missing"):
         load_model_state(_qlora_model(), {k: v for k, v in state.items() if k != adapters[0]})
+
+
+def test_train_base_trains_every_parameter_in_the_worker_and_the_trace():
+    """peft.train_base (DeepSpeed-Chat's LoRA without --only_optimize_lora): the worker's model has
+    every base parameter trainable next to the adapters, and the traced step has the same
+    trainable set; with QLoRA's 4-bit base it is refused in one line."""
+    from launcher import trace as tr_
+    from launcher.config import PeftConfig
+
+    cfg = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+               vocab_size=320, num_hidden_layers=1, max_position_embeddings=256)
+    lora = lp.LoraSettings(r=4, alpha=8, dropout=0.0, target_modules=("q_proj", "v_proj"), train_base=True)
+    model = lp.apply_lora(transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)), lora)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {n for n, _ in model.named_parameters()} and any("lora_A" in n for n in trainable)
+    key = tr_.TraceKey(hf_config_json=tr_.canonical_config_json(cfg), num_layers=1, micro_batch_size=1, seq_len=8,
+                       optimizer="none", **{k: v for k, v in lp.trace_fields(lora, True, {}).items()})
+    t = tr_.trace_step(key)
+    traced = {t.params.names[i] for i in range(len(t.params.names)) if t.params.trainable[i]}
+    assert traced == trainable
+    with pytest.raises(ConfigError, match="peft.train_base=true"):
+        lp.settings_from_config(PeftConfig(method=PeftMethod["qlora"], train_base=True))
