@@ -65,13 +65,13 @@ def test_variant_problems_name_the_reason():
     ddp, z2, z3 = Strategy("ddp", "ddp"), Strategy("zero2", "deepspeed", 2), Strategy("zero3", "deepspeed", 3)
     assert variant_problem(lora, ddp, "cpu") == variant_problem(lora, z2, "cpu") == ""
     assert variant_problem(lora, z3, "cuda") == ""  # LoRA on ZeRO-3 is modelled (frozen base partitioned)
-    # PEFT's ZeRO-3 QLoRA (bf16-stored 4-bit weights, partitioned) runs, on CPU processes too
-    assert variant_problem(qlora, z3, "cuda") == variant_problem(qlora, z3, "cpu") == ""
-    assert "qlora" not in backend_of(z3).rules(z3).estimate_only
-    assert variant_problem(qlora, ddp, "cpu") == ""  # bitsandbytes quantizes and multiplies on the CPU too
-    assert "ZeRO-3 only" in variant_problem(qlora, z2, "cpu")
-    assert "ZeRO-3 only" in variant_problem(qlora, z2, "cuda")
-    assert variant_problem(qlora, ddp, "cuda") == ""
+    # QLoRA under ZeRO 0-3 runs (ZeRO-3: PEFT's bf16-stored 4-bit weights, partitioned), on CPU processes too
+    for s in (z2, z3):
+        assert variant_problem(qlora, s, "cuda") == variant_problem(qlora, s, "cpu") == ""
+        assert "qlora" not in backend_of(s).rules(s).estimate_only
+    offload = Strategy("zero2_offload", "deepspeed", 2, offload_optimizer=True)
+    assert "without offload" in variant_problem(qlora, offload, "cuda")
+    assert variant_problem(qlora, ddp, "cpu") == variant_problem(qlora, ddp, "cuda") == ""
 
 
 def _lora_model():

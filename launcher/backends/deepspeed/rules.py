@@ -14,35 +14,36 @@ WHY = {
     "16-mixed": ("DeepSpeed's CPU accelerator lists fp16 only where oneDNN has fp16 kernels "
                  "(deepspeed/accelerator/cpu_accelerator.py supported_dtypes; engine.py raises 'Type fp16 is "
                  "not supported on your device'); use precision=bf16-mixed"),
-    "qlora": ("QLoRA under DeepSpeed is planned with ZeRO-3 only (its 4-bit weights stored as bf16 and "
-              "partitioned); use strategy=zero3, or ddp/fsdp2 to run it"),
 }
 WHY_OFFLOAD = {**WHY, "bf16-true": ("DeepSpeed's bf16 master weights under offload need DeepSpeedCPUAdam "
                                     "(stage_1_and_2.py _enforce_cpu_offload, stage3.py "
-                                    "_enforce_optimizer_offload); use precision=bf16-mixed")}
+                                    "_enforce_optimizer_offload); use precision=bf16-mixed"),
+               "qlora": "QLoRA is planned under ZeRO 0-3 without offload; use strategy=zero2 or zero3"}
+# QLoRA (`peft_settings`): ZeRO 0-2 hold the 4-bit base whole; ZeRO-3 partitions it, stored as bf16 as
+# PEFT's DeepSpeed guide sets it (docs/source/accelerate/deepspeed.md, "Use PEFT QLoRA and DeepSpeed
+# with ZeRO3"; zero3.py `zero_numels`); bitsandbytes' CPU kernels run both on CPU processes
 ZERO = Rules(precisions={"cuda": frozenset({"32-true", "16-mixed", "bf16-mixed", "bf16-true"}),
-                         "cpu": frozenset({"32-true", "bf16-mixed", "bf16-true"})}, why=WHY)
-# PEFT's DeepSpeed guide (docs/source/accelerate/deepspeed.md, "Use PEFT QLoRA and DeepSpeed with
-# ZeRO3"): bnb_4bit_quant_storage in the model's 16-bit dtype, so ZeRO-3 partitions the packed
-# 4-bit weights as bf16 parameters (zero3.py `zero_numels`); bitsandbytes' CPU kernels run it on CPU
-ZERO3 = replace(ZERO, peft=frozenset({"none", "lora", "qlora"}), peft_devices={"qlora": frozenset({"cuda", "cpu"})})
+                         "cpu": frozenset({"32-true", "bf16-mixed", "bf16-true"})}, why=WHY,
+             peft=frozenset({"none", "lora", "qlora"}), peft_devices={"qlora": frozenset({"cuda", "cpu"})})
 OFFLOAD = Rules(precisions={"cuda": frozenset({"32-true", "16-mixed", "bf16-mixed"}),
                             "cpu": frozenset({"32-true", "bf16-mixed"})}, why=WHY_OFFLOAD)
 
 
 def rules(strategy: Strategy) -> Rules:
-    if strategy.offload_optimizer or strategy.offload_params:
-        return OFFLOAD
-    return ZERO3 if strategy.zero_stage == 3 else ZERO
+    return OFFLOAD if strategy.offload_optimizer or strategy.offload_params else ZERO
 
 
 def peft_settings(strategy: Strategy, lora):
-    """ZeRO-3 QLoRA as PEFT's DeepSpeed guide and TRL run it: the packed 4-bit weights stored in the
-    compute dtype (bitsandbytes `quant_storage`), and `prepare_model_for_kbit_training` not run (trl
-    SFTTrainer `_prepare_peft_model`: never for a sharded QLoRA, whose 4-bit weights load on the
-    CPU under zero3_init), so the rest of the base stays in the compute dtype."""
-    if lora is None or lora.quant_type is None or strategy.zero_stage != 3:
+    """QLoRA under DeepSpeed: the rest of the base stays in the 16-bit dtype. DeepSpeed casts the
+    whole module to it (engine.py `_configure_distributed_model`), which undoes
+    `prepare_model_for_kbit_training`'s fp32 upcast, and TRL does not run that for a sharded QLoRA
+    (trl SFTTrainer `_prepare_peft_model`). The 4-bit weights are integer tensors the cast leaves
+    alone; ZeRO-3 stores them in the compute dtype instead (bitsandbytes `quant_storage`), as PEFT's
+    DeepSpeed guide sets it, so that it partitions them with the other bf16 parameters."""
+    if lora is None or lora.quant_type is None:
         return lora
+    if strategy.zero_stage != 3:
+        return replace(lora, upcast_non_quantized=False)
     return replace(lora, quant_storage=lora.compute_dtype, upcast_non_quantized=False)
 
 
