@@ -112,7 +112,10 @@ class DDPBackend:
         device = next(self.model.parameters()).device
         for name, obj in self._states().items():
             state = torch.load(directory / f"{name}.pt", map_location=device, weights_only=True)
-            layout.load_model_state(obj, state) if name == "model" else obj.load_state_dict(state)
+            if name == "model":
+                layout.load_model_state(obj, state)
+            else:
+                obj.load_state_dict(state)
         self._meter.track_external(self.module, self.optimizer)
 
     def load_neutral(self, directory: Path) -> None:

@@ -35,16 +35,17 @@ def partition_numel(numel: int, dp: int) -> int:
     return math.ceil(numel / dp)
 
 
-def zero_numels(trace: StepTrace) -> dict:
+def zero_numels(trace: StepTrace, four_bit: dict | None = None) -> dict:
     """{parameter index: numel} of the parameters whose partitioned numel is not the traced one: a
     QLoRA base weight stored with bitsandbytes `quant_storage` in the model's 16-bit dtype, as PEFT's
     DeepSpeed guide runs ZeRO-3 QLoRA (bnb_4bit_quant_storage=bfloat16), is a (packed bytes /
     element size, 1) tensor (bitsandbytes functional.py `quantize_4bit`), and ZeRO-3 partitions,
     gathers and releases that tensor like any frozen parameter of its dtype
     (partition_parameters.py `_partition_param` works on `param.ds_numel`). Its quantization state
-    stays whole on every rank (`four_bit_params`)."""
+    stays whole on every rank (`four_bit_params`, or `four_bit` when the caller has it)."""
     p = trace.params
-    return {i: packed // int(p.element_size[i]) for i, (packed, _) in four_bit_params(trace).items()}
+    four_bit = four_bit_params(trace) if four_bit is None else four_bit
+    return {i: packed // int(p.element_size[i]) for i, (packed, _) in four_bit.items()}
 
 
 def forward_only_params(trace: StepTrace) -> set:
@@ -101,14 +102,15 @@ def zero3_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
     parts = [partition_numel(n, dp) for n in sizes]
     total_part = sum(parts)
     p = trace.params
-    packed = zero_numels(trace)
+    four_bit = four_bit_params(trace)
+    packed = zero_numels(trace, four_bit)
     numel = lambda i: packed.get(i, int(p.numel[i]))  # noqa: E731
     every = [numel(i) for i in distinct_params(trace)]
     frozen = [numel(i) for i in distinct_params(trace) if not p.trainable[i]]
     persistent = sum(n for n in every if n <= z.ds.stage3_param_persistence_threshold)
     layout = Layout.of(trace, reduce_events=1, step_events=2)
     layout.drop(Kind.PARAM)
-    quant_state = sum(q for _, q in four_bit_params(trace).values())
+    quant_state = sum(q for _, q in four_bit.values())
     if quant_state:  # QLoRA: each 4-bit weight's QuantState, whole on every rank (`zero_numels`)
         layout.add("quant_state", "parameters", quant_state)
     off_opt, off_par = z.offload_optimizer, z.offload_params
