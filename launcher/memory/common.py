@@ -241,7 +241,8 @@ def full_depth_numels(trace: StepTrace, num_layers: int, frozen_too: bool = Fals
     `num_layers` times, then the rest. `numel`: {parameter index: numel} where a framework sees
     another numel than the traced one (ZeRO-3's packed 4-bit weights)."""
     p = trace.params
-    n = (lambda i: int(numel[i]) if i in numel else int(p.numel[i])) if numel else (lambda i: int(p.numel[i]))  # noqa: E731
+    numel = numel or {}
+    n = lambda i: int(numel.get(i, p.numel[i]))  # noqa: E731
     idx = [i for i in distinct_params(trace) if frozen_too or p.trainable[i]]
     in_layer = [k for k, i in enumerate(idx) if p.layer[i] >= 0]
     first, last = (in_layer[0], in_layer[-1]) if in_layer else (len(idx), len(idx) - 1)
