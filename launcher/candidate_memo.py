@@ -21,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from launcher.environment import installed_version
+from launcher.environment import DEFAULT_CACHE_DIR, installed_version
 
 FORMAT = 1
 _CODE_HASH: list[str] = []
@@ -85,8 +85,6 @@ def context_key(config, spec, cluster) -> str:
 
 class CandidateMemo:
     def __init__(self, config, spec, cluster):
-        from launcher.trace import DEFAULT_CACHE_DIR
-
         root = Path(config.cache_dir).expanduser() if config.cache_dir else DEFAULT_CACHE_DIR
         self.path = root / "candidates" / f"{context_key(config, spec, cluster)}.json"
         self._values: dict | None = None

@@ -15,6 +15,9 @@ COLOSSALAI_PYTHON_ENV = "LAUNCHER_COLOSSALAI_PYTHON"  # launcher/backends/coloss
 COLOSSALAI_VENV = ".venv-colossalai"  # built by scripts/setup next to .venv
 COLOSSALAI_TRANSFORMERS_MAJOR = 4  # ColossalAI 0.5.0 pins transformers==4.51.3
 SHARDFORMER = "colossalai_shardformer"  # Env.installed flag: some Python here runs ColossalAI's shardformer
+DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "launcher" / "traces"
+"""Traces; the model specs, candidate memos and allocator replays live next to them (`cache_dir`
+replaces its parent)."""
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,7 @@ from typing import Optional
 
 from launcher.config import ModelConfig
 from launcher.errors import ConfigError
-from launcher.environment import installed_version
-from launcher.trace import DEFAULT_CACHE_DIR
+from launcher.environment import DEFAULT_CACHE_DIR, installed_version
 
 # Encoder families whose config can build a *LMHeadModel but are not decoders.
 _ENCODER_ARCH_SUFFIXES = ("ForMaskedLM", "ForSequenceClassification", "ForTokenClassification",

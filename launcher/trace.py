@@ -41,7 +41,7 @@ from typing import Optional
 
 import numpy as np
 
-from launcher.environment import installed_version
+from launcher.environment import DEFAULT_CACHE_DIR, installed_version
 from launcher.gptq import GPTQ_BITS, gptq_stand_in
 from launcher import torchao_nf4
 from launcher.tp_shard import shard_model, shardable
@@ -740,7 +740,6 @@ def at_micro_batch(ta: StepTrace, tb: StepTrace, micro_batch_size: int) -> StepT
 
 # ----------------------------------------------------------------------------- cache
 
-DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "launcher" / "traces"
 _FORMAT_VERSION = 10  # the tracer's version: bump when the trace's content or file layout changes
 _MEMO: dict[str, StepTrace] = {}
 _ROW_FIELDS = ("nbytes", "alloc", "free", "kind", "ready", "param", "itemsize", "op_class")

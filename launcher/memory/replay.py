@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from launcher.environment import DEFAULT_CACHE_DIR
 from .allocator import replay
 from .common import Layout
 from .runtime import cublas_workspace_allocations
@@ -80,8 +81,6 @@ class ReplayMemo:
     value. An unreadable file is an empty memo; the file is rewritten atomically (`save`)."""
 
     def __init__(self, cache_dir=None):
-        from launcher.trace import DEFAULT_CACHE_DIR
-
         self.path = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / "replays.json"
         self._values: dict[str, int] | None = None
         self._new: dict[str, int] = {}

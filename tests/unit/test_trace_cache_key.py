@@ -61,7 +61,7 @@ def test_default_cache_dir_follows_xdg(tmp_path):
 
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": str(root)}
-    out = subprocess.run([sys.executable, "-c", "from launcher.trace import DEFAULT_CACHE_DIR; print(DEFAULT_CACHE_DIR)"],
+    out = subprocess.run([sys.executable, "-c", "from launcher.environment import DEFAULT_CACHE_DIR; print(DEFAULT_CACHE_DIR)"],
                          env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert Path(out) == tmp_path / "launcher" / "traces"
 
