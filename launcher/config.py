@@ -243,6 +243,10 @@ InferPrecision = _enum(
     "InferPrecision", ["bf16", "fp16", "fp32", "int8", "nf4", "fp4", "gptq_int4", "gptq_int8"],
     "Serving weights: 16-bit, fp32 (transformers' default load dtype), LLM.int8 (bitsandbytes Int8Params), bitsandbytes 4-bit, or a GPTQ "
     "checkpoint (auto-gptq QuantLinear, group size 128).")
+DeviceMap = _enum(
+    "DeviceMap", ["auto", "balanced", "balanced_low_0", "sequential"],
+    "from_pretrained(device_map=...): whole layers spread over the GPUs, the rest offloaded to the CPU "
+    "(launcher/device_map.py).")
 
 
 @dataclass
@@ -309,6 +313,13 @@ class InferenceConfig:
     (and their fp32 softmax) of the largest forward; sdpa and flash_attention_2 do not."""
     double_quant: bool = False
     """nf4/fp4: bnb_4bit_use_double_quant (BitsAndBytesConfig's default is False)."""
+    device_map: Optional[DeviceMap] = None  # type: ignore[valid-type]
+    """null: every GPU holds the whole model or its tensor-parallel shard (tp_size). auto, balanced,
+    balanced_low_0, sequential: transformers' from_pretrained(device_map=...) over `gpus` GPUs,
+    what does not fit offloaded to the CPU (16-bit and fp32 weights)."""
+    max_memory_gib: Optional[float] = None
+    """With device_map: from_pretrained's max_memory per GPU, in GiB; null = the GPU's free memory
+    (its capacity minus the CUDA context)."""
 
 
 @dataclass

@@ -113,7 +113,7 @@ def weight_bytes(spec: InferenceSpec, precision: str, tp_size: int = 1, blocksiz
 
 def forward_activation_bytes(spec: InferenceSpec, precision: str, batch_size: int, query_len: int,
                              key_len: int, tp_size: int = 1, attn_implementation: str = "sdpa",
-                             logits_to_keep: int = 1) -> int:
+                             logits_to_keep: int = 1, head: bool = True) -> int:
     """Peak live activations of one no-grad forward over `query_len` new tokens attending to `key_len`
     (the largest of the attention, MLP and head phases, plus the quantized matmul's temporary):
     - each phase keeps the residual stream and its normed copy: 2 x batch x q x hidden;
@@ -126,6 +126,7 @@ def forward_activation_bytes(spec: InferenceSpec, precision: str, batch_size: in
     - head: `generate` sets logits_to_keep=1 (generation/utils.py GenerationMixin.generate, "avoid
       computing the whole logit matrix") and copies the last logits to fp32 (`_sample`:
       `outputs.logits[:, -1].to(copy=True, dtype=torch.float32)`); logits_to_keep=0 means all positions;
+      head=False: a GPU of a device map that does not compute the logits;
     - nf4/fp4 prefill: bitsandbytes' gemm_4bit dequantizes the weight to 16 bits and calls F.linear
       when the row count exceeds its kernel's limit (backends/cuda/ops.py gemm_4bit,
       _dequant_linear_fallback): one 16-bit copy of the largest weight shard;
@@ -145,8 +146,8 @@ def forward_activation_bytes(spec: InferenceSpec, precision: str, batch_size: in
         attention += 2 * batch_size * heads * key_len * spec.head_dim * v  # repeat_kv copies
     mlp = (3 if spec.gated_mlp else 2) * tokens * -(-spec.intermediate_size // tp_size) * v
     kept = query_len if logits_to_keep == 0 else min(logits_to_keep, query_len)
-    head = batch_size * spec.vocab_size * (kept * v + FP32_BYTES)
-    return max(residual + attention, residual + mlp, head) + _matmul_temp_bytes(spec, precision, tokens, tp_size)
+    logits = batch_size * spec.vocab_size * (kept * v + FP32_BYTES) if head else 0
+    return max(residual + attention, residual + mlp, logits) + _matmul_temp_bytes(spec, precision, tokens, tp_size)
 
 
 def _matmul_temp_bytes(spec: InferenceSpec, precision: str, tokens: int, tp_size: int) -> int:
@@ -200,20 +201,64 @@ def estimate_inference(spec: InferenceSpec, precision: str, batch_size: int, pro
     }
 
 
-def inference_spec_from_hf_config(hf_config: dict) -> InferenceSpec:
-    """Count parameters by role on a meta-device model built from a config.json dict. Which Linear
-    weights are quantized is decided by transformers itself (HfQuantizer.get_modules_to_not_convert,
-    as quantizers/quantizer_bnb_4bit.py calls it, and should_convert_module)."""
+def estimate_placed(spec: InferenceSpec, placement, precision: str, batch_size: int, prompt_len: int,
+                    gen_len: int, attn_implementation: str = "sdpa") -> dict:
+    """Per-GPU bytes of `generate` on a model split by a device map (launcher/device_map.py
+    `Placement`): each GPU holds the weights placed on it and the KV cache of the layers that run on
+    it (DynamicCache keeps each layer's keys and values on that layer's device: cache_utils.py
+    DynamicLayer.update concatenates onto the incoming keys); a GPU that runs layers holds the
+    activations of one layer's forward (forward_activation_bytes), the logits only where the head
+    runs; the main GPU also holds the largest offloaded submodule's weights while it runs
+    (launcher/device_map.py). Peak per GPU = weights + offload transient + max(prefill, last decode
+    step), the phases as in estimate_inference."""
+    v = value_bytes(precision)
+    kv_layer = kv_cache_bytes(spec, batch_size, 1, 1, v) // spec.num_layers  # per token
+    total_tokens = prompt_len + gen_len
+    gpus = sorted(d for d in placement.max_memory if d not in ("cpu", "disk"))  # every GPU, used or not
+    out = {}
+    for gpu in gpus:
+        layers = placement.layers_run(gpu)
+        head = gpu == placement.head_gpu
+        runs = layers > 0 or head
+        act = {q: forward_activation_bytes(spec, precision, batch_size, q, k, 1, attn_implementation, head=head)
+               if runs else 0 for q, k in ((prompt_len, prompt_len), (1, total_tokens))}
+        kv_full = layers * kv_layer * batch_size * total_tokens
+        prefill = layers * kv_layer * batch_size * prompt_len + act[prompt_len]
+        decode = kv_full + act[1] + (kv_layer * batch_size * total_tokens // 2 if layers else 0)
+        weights = placement.weight_bytes.get(gpu, 0)
+        transient = placement.offload_transient_bytes if gpu == placement.main_gpu else 0
+        out[gpu] = {"weight_bytes": weights, "layers": placement.layers.get(gpu, 0), "layers_run": layers,
+                    "kv_cache_bytes": kv_full,
+                    "activation_bytes": max(act.values()), "offload_transient_bytes": transient,
+                    "peak_phase": "prefill" if prefill >= decode else "decode",
+                    "peak_bytes": weights + transient + max(prefill, decode)}
+    return out
+
+
+def meta_model(hf_config: dict, dtype: str | None = None):
+    """The model of a config.json dict on the meta device (no weights), in `dtype` (a torch dtype
+    name, e.g. "float16"; None: transformers' default)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.pytorch_utils import Conv1D
-    from transformers.quantizers.base import HfQuantizer
-    from transformers.quantizers.quantizers_utils import should_convert_module
 
     fields = {k: v for k, v in hf_config.items() if k != "model_type"}
     cfg = AutoConfig.for_model(hf_config["model_type"], **fields)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
+        return AutoModelForCausalLM.from_config(cfg, **({"dtype": getattr(torch, dtype)} if dtype else {}))
+
+
+def inference_spec_from_hf_config(hf_config: dict, model=None) -> InferenceSpec:
+    """Count parameters by role on a meta-device model built from a config.json dict (or on `model`,
+    built by `meta_model`). Which Linear weights are quantized is decided by transformers itself
+    (HfQuantizer.get_modules_to_not_convert, as quantizers/quantizer_bnb_4bit.py calls it, and
+    should_convert_module)."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    model = meta_model(hf_config) if model is None else model
+    cfg = model.config
     skip = HfQuantizer.get_modules_to_not_convert(model, None, getattr(model, "_keep_in_fp32_modules", None))
     owners = {}  # a tied weight has two owners; the embedding role wins
     for name, m in model.named_modules():

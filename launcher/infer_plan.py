@@ -7,14 +7,19 @@ Per GPU: peak tensor bytes = weights + max(prefill, last decode step) (infer.est
 device total = that + CUDA context (the hardware profile's `cuda_context_bytes`) + NCCL buffers
 when tp_size > 1 (launcher/memory/runtime.py). The caching allocator's reserve above allocated is
 not included (no traced allocation sequence for generate).
+
+With `inference.device_map`, transformers' device map splits the layers over the GPUs and the CPU
+(launcher/device_map.py) and each GPU is estimated with what it holds and runs
+(infer.estimate_placed); `per_gpu` is then the GPU with the largest device total.
 """
 from __future__ import annotations
 
 from launcher.errors import ConfigError
-from launcher import infer
+from launcher import device_map, infer
 from launcher.memory import runtime
 
 GIB = 2**30
+LOAD_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # device_map: unquantized loads
 
 
 def check(config, spec) -> list[str]:
@@ -24,6 +29,21 @@ def check(config, spec) -> list[str]:
            for k in ("batch_size", "prompt_len", "gen_len", "tp_size") if getattr(inf, k) < 1]
     if inf.tp_size >= 1 and config.gpus % inf.tp_size:
         out.append(f"inference.tp_size={inf.tp_size} does not divide gpus={config.gpus}; e.g. gpus={inf.tp_size}")
+    if inf.device_map is not None:
+        dm = f"inference.device_map={inf.device_map.name}"
+        if inf.tp_size != 1:
+            out.append(f"{dm} splits layers, not tensors: set inference.tp_size=1 or inference.device_map=null")
+        if inf.precision.name not in LOAD_DTYPES:
+            out.append(f"{dm} is planned for 16-bit and fp32 weights, not inference.precision={inf.precision.name}; "
+                       "use inference.precision=bf16, fp16 or fp32, or inference.device_map=null")
+        if config.hardware.device != "cuda":
+            out.append(f"{dm} places layers on GPUs: use a GPU hardware profile, e.g. hardware=a100-80g")
+    if inf.max_memory_gib is not None:
+        if inf.device_map is None:
+            out.append(f"inference.max_memory_gib={inf.max_memory_gib} applies to a device map: set "
+                       "inference.device_map=auto, or inference.max_memory_gib=null")
+        elif inf.max_memory_gib <= 0:
+            out.append(f"inference.max_memory_gib={inf.max_memory_gib}: must be above 0, e.g. 20")
     total = inf.prompt_len + inf.gen_len
     if spec.max_positions is not None and total > spec.max_positions:
         out.append(f"inference.prompt_len + gen_len = {total} is above {spec.name}'s maximum positions "
@@ -37,6 +57,8 @@ def infer_plan(config, spec) -> dict:
     if problems:
         raise ConfigError(*problems)
     inf, hw = config.inference, config.hardware
+    if inf.device_map is not None:
+        return placed_plan(config, spec)
     ispec = infer.inference_spec_from_hf_config(spec.hf_config)
     try:
         est = infer.estimate_inference(ispec, inf.precision.name, inf.batch_size, inf.prompt_len,
@@ -75,9 +97,66 @@ def infer_plan(config, spec) -> dict:
     }
 
 
+def placed_plan(config, spec) -> dict:
+    """infer_plan under `inference.device_map`: one entry per GPU in `devices`, the offloaded bytes
+    in `offload`."""
+    inf, hw = config.inference, config.hardware
+    model = infer.meta_model(spec.hf_config, LOAD_DTYPES[inf.precision.name])
+    ispec = infer.inference_spec_from_hf_config(spec.hf_config, model)
+    context = runtime.cuda_context_bytes(hw.cuda_context_bytes)
+    cap = None if inf.max_memory_gib is None else int(inf.max_memory_gib * GIB)
+    memory = device_map.max_memory(config.gpus, hw.memory_bytes - context, hw.host_memory_bytes, cap)
+    placement = device_map.place(model, inf.device_map.name, memory)
+    per = infer.estimate_placed(ispec, placement, inf.precision.name, inf.batch_size, inf.prompt_len,
+                                inf.gen_len, inf.attn_implementation.name)
+    devices = []
+    for gpu, e in per.items():
+        total = e["peak_bytes"] + context
+        devices.append({"device": gpu, "weight_bytes": e["weight_bytes"], "layers": e["layers"],
+                        "layers_run": e["layers_run"],
+                        "kv_cache_bytes": e["kv_cache_bytes"], "activation_bytes": e["activation_bytes"],
+                        "offload_transient_bytes": e["offload_transient_bytes"], "peak_phase": e["peak_phase"],
+                        "peak_allocated_bytes": e["peak_bytes"], "runtime_bytes": context,
+                        "device_total_bytes": total, "fits": total <= hw.memory_bytes})
+    worst = max(devices, key=lambda d: d["device_total_bytes"])
+    offload = {"cpu_bytes": placement.weight_bytes.get("cpu", 0), "disk_bytes": placement.weight_bytes.get("disk", 0),
+               "layers": placement.layers.get("cpu", 0) + placement.layers.get("disk", 0),
+               "cpu_limit_bytes": memory["cpu"], "main_gpu": placement.main_gpu,
+               "max_memory": {str(k): v for k, v in memory.items()}}
+    notes = [f"device_map={inf.device_map.name}: transformers' own device map (from_pretrained) of the model "
+             f"on the meta device, with max_memory per GPU = "
+             + (f"inference.max_memory_gib={inf.max_memory_gib}" if cap is not None else
+                "capacity - CUDA context (what torch.cuda.mem_get_info reports after CUDA initialises)")
+             + f" and 90% of the host memory for the CPU; launcher/device_map.py",
+             "KV cache and activations on the GPU that runs each layer; offloaded layers run on GPU "
+             f"{placement.main_gpu}, which also holds the largest offloaded submodule's weights while it runs",
+             "device total = peak tensor bytes + CUDA context; the allocator's reserve above allocated is not included"]
+    if offload["disk_bytes"]:
+        notes.append("weights offloaded to disk: from_pretrained needs offload_folder=...")
+    return {
+        "model": {"name": spec.name, "num_params": ispec.num_params, "num_layers": ispec.num_layers,
+                  "num_attention_heads": ispec.num_attention_heads,
+                  "num_key_value_heads": ispec.num_key_value_heads, "head_dim": ispec.head_dim},
+        "hardware": hw.name, "memory_bytes": hw.memory_bytes,
+        "request": {"precision": inf.precision.name, "batch_size": inf.batch_size,
+                    "prompt_len": inf.prompt_len, "gen_len": inf.gen_len, "tp_size": 1,
+                    "attn_implementation": inf.attn_implementation.name, "double_quant": inf.double_quant,
+                    "device_map": inf.device_map.name, "max_memory_gib": inf.max_memory_gib, "gpus": config.gpus},
+        "per_gpu": {k: worst[k] for k in ("weight_bytes", "kv_cache_bytes", "activation_bytes", "peak_phase",
+                                          "peak_allocated_bytes", "runtime_bytes", "device_total_bytes")},
+        "devices": devices,
+        "offload": offload,
+        "kv_cache_bytes_per_token": infer.kv_cache_bytes(ispec, 1, 1, 1, infer.value_bytes(inf.precision.name)),
+        "fits": all(d["fits"] for d in devices) and offload["cpu_bytes"] <= offload["cpu_limit_bytes"],
+        "notes": notes,
+    }
+
+
 def format_report(r: dict) -> str:
     q, g = r["request"], r["per_gpu"]
     gib = lambda n: f"{n / GIB:8.2f} GiB"  # noqa: E731
+    if "devices" in r:
+        return _format_placed(r, gib)
     lines = [f"{r['model']['name']} ({r['model']['num_params'] / 1e9:.2f}B params) served at {q['precision']}, "
              f"batch {q['batch_size']} x ({q['prompt_len']} prompt + {q['gen_len']} generated) tokens, "
              f"tensor parallel over {q['tp_size']} x {r['hardware']}; per GPU:",
@@ -89,5 +168,26 @@ def format_report(r: dict) -> str:
              f"  runtime          {gib(g['runtime_bytes'])}",
              f"  device total     {gib(g['device_total_bytes'])}  of {r['memory_bytes'] / GIB:.2f} GiB: "
              + ("fits" if r["fits"] else "does NOT fit")]
+    lines += [f"note: {n}" for n in r["notes"]]
+    return "\n".join(lines)
+
+
+def _format_placed(r: dict, gib) -> str:
+    q, o = r["request"], r["offload"]
+    lines = [f"{r['model']['name']} ({r['model']['num_params'] / 1e9:.2f}B params) served at {q['precision']}, "
+             f"batch {q['batch_size']} x ({q['prompt_len']} prompt + {q['gen_len']} generated) tokens, "
+             f"device_map={q['device_map']} over {q['gpus']} x {r['hardware']} "
+             f"({r['memory_bytes'] / GIB:.2f} GiB each):",
+             f"  {'GPU':>4} {'layers':>6} {'weights':>12} {'KV cache':>12} {'activations':>12} {'offload copy':>12} "
+             f"{'peak alloc':>12} {'device total':>12}"]
+    for d in r["devices"]:
+        lines.append(f"  {d['device']:>4} {d['layers']:>6} {gib(d['weight_bytes'])} {gib(d['kv_cache_bytes'])} "
+                     f"{gib(d['activation_bytes'])} {gib(d['offload_transient_bytes'])} "
+                     f"{gib(d['peak_allocated_bytes'])} {gib(d['device_total_bytes'])}  "
+                     + ("fits" if d["fits"] else "does NOT fit"))
+    lines.append(f"  offloaded to the CPU: {gib(o['cpu_bytes']).strip()} (limit {o['cpu_limit_bytes'] / GIB:.2f} GiB)"
+                 + (f", to disk: {gib(o['disk_bytes']).strip()}" if o["disk_bytes"] else "")
+                 + (f"; its {o['layers']} layers run on GPU {o['main_gpu']}" if o["cpu_bytes"] or o["disk_bytes"] else ""))
+    lines.append("  " + ("fits" if r["fits"] else "does NOT fit"))
     lines += [f"note: {n}" for n in r["notes"]]
     return "\n".join(lines)

@@ -78,3 +78,71 @@ def test_eager_attention_is_planned_when_asked():
     scores = 32 * 4096 * 4096 * 2  # one layer's 16-bit scores over the prompt, 32 heads
     assert eager["per_gpu"]["activation_bytes"] > sdpa["per_gpu"]["activation_bytes"] + scores
     assert eager["per_gpu"]["weight_bytes"] == sdpa["per_gpu"]["weight_bytes"]
+
+
+def _plan_in_process(*overrides):
+    from launcher.app import model_spec
+    from launcher.cli import compose
+    from launcher.infer_plan import infer_plan
+
+    config = compose([*overrides, "mode=plan"])
+    return infer_plan(config, model_spec(config))
+
+
+def test_opt_30b_offloaded_over_two_titan_rtx():
+    """device_map=sequential over two 24 GB cards, against the placement rule worked out by hand from
+    OPT-30B's config.json: whole decoder layers fill GPU 0 (which keeps room for one more layer once
+    anything is offloaded) and then GPU 1; the rest goes to the CPU and runs on GPU 0."""
+    out = _plan_in_process("model=opt-30b", "hardware=titan-rtx", "gpus=2", "inference.device_map=sequential",
+                           "inference.precision=fp16", "inference.prompt_len=8", "inference.gen_len=12")
+    h, f, vocab, positions, layers = 7168, 28672, 50272, 2048 + 2, 48  # OPT's positions are offset by 2
+    fc1 = 2 * (h * f + f)
+    layer = 2 * (4 * h * h + 4 * h) + fc1 + 2 * (f * h + h) + 2 * 2 * (2 * h)  # attention, fc1, fc2, 2 norms
+    head_side = 2 * (vocab * h + positions * h + 2 * h)  # embeddings (lm_head tied) and the final norm
+    free = 25395462144 - 768 * 2**20  # titan-rtx: capacity - CUDA context
+    on0 = (free - layer - head_side) // layer
+    on1 = free // layer
+    cpu = layers - on0 - on1
+    gpu0, gpu1 = out["devices"]
+    assert (gpu0["layers"], gpu1["layers"], out["offload"]["layers"]) == (on0, on1, cpu) == (18, 19, 11)
+    assert gpu0["weight_bytes"] == head_side + on0 * layer and gpu1["weight_bytes"] == on1 * layer
+    assert out["offload"]["cpu_bytes"] == cpu * layer
+    # the offloaded layers run on GPU 0: their KV cache is there, and fc1's weight (the largest
+    # submodule) is copied in while it runs
+    kv_layer = 2 * 1 * 20 * h * 2
+    assert gpu0["layers_run"] == on0 + cpu and gpu0["kv_cache_bytes"] == (on0 + cpu) * kv_layer
+    assert gpu1["kv_cache_bytes"] == on1 * kv_layer
+    assert gpu0["offload_transient_bytes"] == fc1 and gpu1["offload_transient_bytes"] == 0
+    assert out["fits"]
+
+
+def test_auto_balances_a_model_that_fits_and_sequential_fills_gpu_0():
+    def shares(mode):
+        out = _plan_in_process("model=opt-6.7b", "hardware=a100-80g", "gpus=2", f"inference.device_map={mode}")
+        w = [d["weight_bytes"] for d in out["devices"]]
+        return [x / sum(w) for x in w], out
+
+    auto, out = shares("auto")
+    assert 0.4 < auto[0] < 0.6 and out["offload"]["cpu_bytes"] == 0
+    sequential, out = shares("sequential")
+    assert sequential == [1.0, 0.0]
+    # a cap per GPU (from_pretrained's max_memory) pushes the rest to the CPU
+    capped = _plan_in_process("model=opt-6.7b", "hardware=a100-80g", "gpus=2", "inference.device_map=sequential",
+                              "inference.max_memory_gib=4")
+    assert all(d["weight_bytes"] <= 4 * 2**30 for d in capped["devices"])
+    assert capped["offload"]["cpu_bytes"] > 0
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["inference.device_map=auto", "inference.tp_size=2"], "inference.device_map=auto"),
+    (["inference.device_map=auto", "inference.precision=nf4"], "inference.precision=nf4"),
+    (["inference.max_memory_gib=10"], "inference.max_memory_gib=10"),
+    (["inference.device_map=auto", "inference.max_memory_gib=0"], "inference.max_memory_gib=0"),
+    (["inference.device_map=auto", "hardware=cpu"], "inference.device_map=auto"),
+])
+def test_device_map_bad_input_names_the_key(overrides, key):
+    from launcher.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        _plan_in_process("model=opt-1.3b", "gpus=2", *overrides)
+    assert key in str(err.value)
