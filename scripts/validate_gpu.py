@@ -56,9 +56,12 @@ class Result:
 
 def published_bytes(row: dict, spec: dict) -> float:
     """The row's value in bytes per GPU: 'a + b' (per-GPU values) -> the larger (the worst rank is
-    estimated); scope total -> divided by the GPU count; scope sum -> the per-GPU values added (the
-    parts of one model split over GPUs, planned on one)."""
+    estimated), or the value of GPU `part` (a device map, estimated per GPU); scope total -> divided
+    by the GPU count; scope sum -> the per-GPU values added (the parts of one model split over GPUs,
+    planned on one)."""
     numbers = [float(x) for x in re.findall(r"\d+(?:\.\d+)?", row["memory_value"])]
+    if "part" in spec:
+        return numbers[spec["part"]] * UNIT_BYTES[spec["unit"]]
     if spec.get("scope") == "sum":
         return sum(numbers) * UNIT_BYTES[spec["unit"]]
     value = max(numbers) if "+" in row["memory_value"] else numbers[0]
@@ -67,9 +70,10 @@ def published_bytes(row: dict, spec: dict) -> float:
     return value * UNIT_BYTES[spec["unit"]]
 
 
-def plan_row(args: list[str], mode: str, cuda_alloc_conf: str | None = None):
+def plan_row(args: list[str], mode: str, cuda_alloc_conf: str | None = None, part: int | None = None):
     """(estimate views, candidate or serving result, cluster memory) for one row's overrides;
-    `cuda_alloc_conf`: the PYTORCH_CUDA_ALLOC_CONF the row's run had."""
+    `cuda_alloc_conf`: the PYTORCH_CUDA_ALLOC_CONF the row's run had; `part`: the GPU of a serving
+    device map whose views are wanted (else the worst GPU)."""
     from launcher.app import model_spec
     from launcher.cli import compose
 
@@ -78,9 +82,11 @@ def plan_row(args: list[str], mode: str, cuda_alloc_conf: str | None = None):
     if mode == "infer":
         from launcher.infer_plan import infer_plan
 
-        r = infer_plan(config, spec)["per_gpu"]
+        result = infer_plan(config, spec)
+        r = result["per_gpu"] if part is None else result["devices"][part]
         views = {"allocated": r["peak_allocated_bytes"], "device_total": r["device_total_bytes"],
-                 "unstated": r["peak_allocated_bytes"]}  # a serving plan has no reserved view
+                 "unstated": r["peak_allocated_bytes"],  # a serving plan has no reserved view
+                 "allocated_at_init": r["weight_bytes"]}  # loaded, before generate
         return views, None, config.hardware.memory_bytes
     from launcher import planner
     from launcher.hardware import cluster_from
@@ -101,7 +107,8 @@ def plan_row(args: list[str], mode: str, cuda_alloc_conf: str | None = None):
 def evaluate(key: str, spec: dict, row: dict) -> Result:
     res = Result(key, row, spec)
     try:
-        views, cand, capacity = plan_row(spec["args"], spec.get("mode", "train"), spec.get("cuda_alloc_conf"))
+        views, cand, capacity = plan_row(spec["args"], spec.get("mode", "train"), spec.get("cuda_alloc_conf"),
+                                         spec.get("part"))
     except Exception as err:  # noqa: BLE001 - a row that cannot be planned is reported, not fatal
         res.error = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
         return res
