@@ -53,6 +53,7 @@ PUBLISHED_PARAMS = {
     "opt-1.3b": (1_315_758_080, "facebook/opt-1.3b: " + _HUB),
     "opt-2.7b": (2_651_596_800, "facebook/opt-2.7b: " + _HUB),
     "opt-6.7b": (6_700_000_000, "OPT paper (arXiv:2205.01068) Table 1: 6.7B"),
+    "opt-30b": (30_000_000_000, "OPT paper (arXiv:2205.01068) Table 1: 30B"),
     "gpt2": (124_439_808, "openai-community/gpt2: released checkpoint, weights without attention-mask buffers"),
     "gpt2-medium": (354_823_168, "openai-community/gpt2-medium: released checkpoint, weights without buffers"),
     "gpt2-large": (774_030_080, "openai-community/gpt2-large: released checkpoint, weights without buffers"),
