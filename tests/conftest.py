@@ -22,10 +22,24 @@ def run_cli(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None
 
 @pytest.fixture(scope="session")
 def trace_cache(tmp_path_factory) -> str:
-    """`cache_dir=...` shared by every CLI run of the session. Traces, model specs and candidate
-    memos are keyed by everything they depend on (launcher/trace.py `_cache_key`), so a run reads
-    only what an identical cold plan would compute; each distinct workload is traced once."""
-    return f"cache_dir={tmp_path_factory.mktemp('trace-cache')}"
+    """`cache_dir=...` shared by every CLI run of the session, in every pytest-xdist worker. Traces,
+    model specs and candidate memos are keyed by everything they depend on (launcher/trace.py
+    `_cache_key`) and written atomically, so a run reads only what an identical cold plan would
+    compute; each distinct workload is traced once."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's directory above the workers' own
+    path = root / "trace-cache"
+    path.mkdir(exist_ok=True)
+    return f"cache_dir={path}"
+
+
+def pytest_collection_modifyitems(items):
+    """Under pytest-xdist (`--dist loadgroup`), the tests that use the local Slurm cluster run in
+    one worker, so the session starts one cluster."""
+    for item in items:
+        if item.get_closest_marker("slurm"):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
 @pytest.fixture
