@@ -72,14 +72,7 @@ def infer_plan(config, spec) -> dict:
     activation = max(est["prefill_activation_bytes"], est["decode_activation_bytes"])
     total = est["peak_bytes"] + outside
     return {
-        "model": {"name": spec.name, "num_params": ispec.num_params, "num_layers": ispec.num_layers,
-                  "num_attention_heads": ispec.num_attention_heads,
-                  "num_key_value_heads": ispec.num_key_value_heads, "head_dim": ispec.head_dim},
-        "hardware": hw.name, "memory_bytes": hw.memory_bytes,
-        "request": {"precision": inf.precision.name, "batch_size": inf.batch_size,
-                    "prompt_len": inf.prompt_len, "gen_len": inf.gen_len, "tp_size": inf.tp_size,
-                    "attn_implementation": inf.attn_implementation.name,
-                    "double_quant": inf.double_quant},
+        **_header(config, spec, ispec),
         "per_gpu": {"weight_bytes": est["weight_bytes"], "kv_cache_bytes": est["kv_cache_bytes"],
                     "activation_bytes": activation, "peak_phase": est["peak_phase"],
                     "peak_allocated_bytes": est["peak_bytes"], "runtime_bytes": outside,
@@ -94,6 +87,21 @@ def infer_plan(config, spec) -> dict:
                   "device total = peak tensor bytes + CUDA context"
                   + (" + NCCL (one process group)" if inf.tp_size > 1 else "")
                   + "; the allocator's reserve above allocated is not included"],
+    }
+
+
+def _header(config, spec, ispec) -> dict:
+    """The model, hardware and request parts of a serving plan."""
+    inf, hw = config.inference, config.hardware
+    return {
+        "model": {"name": spec.name, "num_params": ispec.num_params, "num_layers": ispec.num_layers,
+                  "num_attention_heads": ispec.num_attention_heads,
+                  "num_key_value_heads": ispec.num_key_value_heads, "head_dim": ispec.head_dim},
+        "hardware": hw.name, "memory_bytes": hw.memory_bytes,
+        "request": {"precision": inf.precision.name, "batch_size": inf.batch_size,
+                    "prompt_len": inf.prompt_len, "gen_len": inf.gen_len, "tp_size": inf.tp_size,
+                    "attn_implementation": inf.attn_implementation.name,
+                    "double_quant": inf.double_quant},
     }
 
 
@@ -127,27 +135,22 @@ def placed_plan(config, spec) -> dict:
              f"on the meta device, with max_memory per GPU = "
              + (f"inference.max_memory_gib={inf.max_memory_gib}" if cap is not None else
                 "capacity - CUDA context (what torch.cuda.mem_get_info reports after CUDA initialises)")
-             + f" and 90% of the host memory for the CPU; launcher/device_map.py",
+             + " and 90% of the host memory for the CPU; launcher/device_map.py",
              "KV cache and activations on the GPU that runs each layer; offloaded layers run on GPU "
              f"{placement.main_gpu}, which also holds the largest offloaded submodule's weights while it runs",
              "device total = peak tensor bytes + CUDA context; the allocator's reserve above allocated is not included"]
     if offload["disk_bytes"]:
         notes.append("weights offloaded to disk: from_pretrained needs offload_folder=...")
+    header = _header(config, spec, ispec)
+    header["request"].update(device_map=inf.device_map.name, max_memory_gib=inf.max_memory_gib, gpus=config.gpus)
     return {
-        "model": {"name": spec.name, "num_params": ispec.num_params, "num_layers": ispec.num_layers,
-                  "num_attention_heads": ispec.num_attention_heads,
-                  "num_key_value_heads": ispec.num_key_value_heads, "head_dim": ispec.head_dim},
-        "hardware": hw.name, "memory_bytes": hw.memory_bytes,
-        "request": {"precision": inf.precision.name, "batch_size": inf.batch_size,
-                    "prompt_len": inf.prompt_len, "gen_len": inf.gen_len, "tp_size": 1,
-                    "attn_implementation": inf.attn_implementation.name, "double_quant": inf.double_quant,
-                    "device_map": inf.device_map.name, "max_memory_gib": inf.max_memory_gib, "gpus": config.gpus},
+        **header,
         "per_gpu": {k: worst[k] for k in ("weight_bytes", "kv_cache_bytes", "activation_bytes", "peak_phase",
                                           "peak_allocated_bytes", "runtime_bytes", "device_total_bytes")},
         "devices": devices,
         "offload": offload,
         "kv_cache_bytes_per_token": infer.kv_cache_bytes(ispec, 1, 1, 1, infer.value_bytes(inf.precision.name)),
-        "fits": all(d["fits"] for d in devices) and offload["cpu_bytes"] <= offload["cpu_limit_bytes"],
+        "fits": all(d["fits"] for d in devices),  # the map never gives the CPU more than its limit (disk)
         "notes": notes,
     }
 
@@ -157,9 +160,7 @@ def format_report(r: dict) -> str:
     gib = lambda n: f"{n / GIB:8.2f} GiB"  # noqa: E731
     if "devices" in r:
         return _format_placed(r, gib)
-    lines = [f"{r['model']['name']} ({r['model']['num_params'] / 1e9:.2f}B params) served at {q['precision']}, "
-             f"batch {q['batch_size']} x ({q['prompt_len']} prompt + {q['gen_len']} generated) tokens, "
-             f"tensor parallel over {q['tp_size']} x {r['hardware']}; per GPU:",
+    lines = [f"{_served(r)}tensor parallel over {q['tp_size']} x {r['hardware']}; per GPU:",
              f"  weights          {gib(g['weight_bytes'])}",
              f"  KV cache         {gib(g['kv_cache_bytes'])}  ({r['kv_cache_bytes_per_token']:,} B per token, "
              f"{r['model']['num_key_value_heads']} KV heads)",
@@ -172,11 +173,15 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
+def _served(r: dict) -> str:
+    q = r["request"]
+    return (f"{r['model']['name']} ({r['model']['num_params'] / 1e9:.2f}B params) served at {q['precision']}, "
+            f"batch {q['batch_size']} x ({q['prompt_len']} prompt + {q['gen_len']} generated) tokens, ")
+
+
 def _format_placed(r: dict, gib) -> str:
     q, o = r["request"], r["offload"]
-    lines = [f"{r['model']['name']} ({r['model']['num_params'] / 1e9:.2f}B params) served at {q['precision']}, "
-             f"batch {q['batch_size']} x ({q['prompt_len']} prompt + {q['gen_len']} generated) tokens, "
-             f"device_map={q['device_map']} over {q['gpus']} x {r['hardware']} "
+    lines = [f"{_served(r)}device_map={q['device_map']} over {q['gpus']} x {r['hardware']} "
              f"({r['memory_bytes'] / GIB:.2f} GiB each):",
              f"  {'GPU':>4} {'layers':>6} {'weights':>12} {'KV cache':>12} {'activations':>12} {'offload copy':>12} "
              f"{'peak alloc':>12} {'device total':>12}"]
