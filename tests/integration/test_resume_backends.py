@@ -171,3 +171,29 @@ def test_checkpoint_moves_between_layouts(tmp_path: Path) -> None:
     assert [r["step"] for r in records(tmp_path / "zero3")] == [3, 4]
     assert losses[:4] == pytest.approx(expected[:4], abs=1e-6)
     assert losses[4] == pytest.approx(expected[4], abs=0.05)
+
+
+@pytest.mark.long
+def test_lora_checkpoint_moves_from_zero3_to_ddp(tmp_path: Path) -> None:
+    """A LoRA run's ZeRO-3 checkpoint (frozen base partitioned, adapters trained) continued by DDP,
+    as the out-of-memory fallback does: steps 3-5 repeat an uninterrupted DDP LoRA run's losses
+    (fp32 on both sides: the same arithmetic), so the trained adapters and their optimizer state
+    came back from DeepSpeed's partitions and universal checkpoint. (The frozen base is rebuilt
+    the same from the seed either way; this does not tell a loaded base from a rebuilt one.)"""
+    from launcher import fallback_resume
+    from launcher.peft import LoraSettings
+
+    peft = LoraSettings(r=8, alpha=16, dropout=0.0).to_dict()
+    whole = tmp_path / "ddp"
+    assert torchrun(write_spec(whole, "ddp", peft=peft, checkpoint_keep=0)).returncode == 0
+    zero3 = tmp_path / "zero3"
+    assert torchrun(write_spec(zero3, "zero3", peft=peft, max_steps=2)).returncode == 0
+    ddp_json = write_spec(tmp_path / "ddp-after", "ddp", peft=peft)
+    info = fallback_resume.continue_from(ddp_json, zero3 / "checkpoints" / "step-2", world_size=2)
+    assert info["layout"] == "zero3" and info["optimizer_state"] == "restored"
+    result = torchrun(ddp_json)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "(layout zero3 -> ddp)" in result.stdout
+    after = records(tmp_path / "ddp-after")
+    assert [r["step"] for r in after] == [3, 4, 5]
+    assert [r["loss"] for r in records(zero3) + after] == pytest.approx([r["loss"] for r in records(whole)], abs=1e-6)
