@@ -66,7 +66,7 @@ def place(model, mode: str, memory: dict) -> Placement:
         device_map = _get_device_map(model, mode, dict(memory), None)
     finally:
         quiet.setLevel(level)
-    sizes, _ = compute_module_sizes(model)
+    sizes, _ = compute_module_sizes(model, only_modules=False)  # a map may place single parameters
 
     def device_of(name: str):
         while name not in device_map and name:
@@ -80,15 +80,14 @@ def place(model, mode: str, memory: dict) -> Placement:
     main = gpus[0] if gpus else 0
     layers: dict = {}
     blocks = set(model._no_split_modules or ())
-    for name, module in model.named_modules():
-        if type(module).__name__ in blocks:
-            device = device_of(name)
-            layers[device] = layers.get(device, 0) + 1
     transient = 0
     for name, module in model.named_modules():
-        if device_of(name) in ("cpu", "disk"):
-            own = sum(t.numel() * t.element_size() for t in module.parameters(recurse=False))
-            own += sum(t.numel() * t.element_size() for t in module.buffers(recurse=False))
+        device = device_of(name)
+        if type(module).__name__ in blocks:
+            layers[device] = layers.get(device, 0) + 1
+        if device in ("cpu", "disk"):
+            own = sum(t.numel() * t.element_size()
+                      for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)])
             transient = max(transient, own)
     head = model.get_output_embeddings()
     head_name = next(n for n, m in model.named_modules() if m is head)
