@@ -15,7 +15,7 @@ With `inference.device_map`, transformers' device map splits the layers over the
 from __future__ import annotations
 
 from launcher.errors import ConfigError
-from launcher import device_map, infer
+from launcher import device_map, infer, margin
 from launcher.memory import runtime
 
 GIB = 2**30
@@ -86,8 +86,16 @@ def infer_plan(config, spec) -> dict:
                   "launcher/infer.py",
                   "device total = peak tensor bytes + CUDA context"
                   + (" + NCCL (one process group)" if inf.tp_size > 1 else "")
-                  + "; the allocator's reserve above allocated is not included"],
+                  + "; the allocator's reserve above allocated is not included",
+                  *_how_sure(total, hw)],
     }
+
+
+def _how_sure(device_total: int, hw) -> list[str]:
+    """How sure a serving plan's "fits" is on a GPU: its headroom against the published
+    underestimates (launcher/margin.py). Serving plans apply no margin; this says what one would."""
+    sure = margin.confidence_note(device_total, hw.memory_bytes) if hw.device == "cuda" else ""
+    return [f"the fullest GPU's {sure}"] if sure else []
 
 
 def _header(config, spec, ispec) -> dict:
@@ -138,7 +146,8 @@ def placed_plan(config, spec) -> dict:
              + " and 90% of the host memory for the CPU; launcher/device_map.py",
              "KV cache and activations on the GPU that runs each layer; offloaded layers run on GPU "
              f"{placement.main_gpu}, which also holds the largest offloaded submodule's weights while it runs",
-             "device total = peak tensor bytes + CUDA context; the allocator's reserve above allocated is not included"]
+             "device total = peak tensor bytes + CUDA context; the allocator's reserve above allocated is not included",
+             *_how_sure(worst["device_total_bytes"], hw)]
     if offload["disk_bytes"]:
         notes.append("weights offloaded to disk: from_pretrained needs offload_folder=...")
     header = _header(config, spec, ispec)

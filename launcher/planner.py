@@ -351,7 +351,6 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env | N
     if chosen is not None:  # the trainable count of what the chosen candidate trains
         numbers = {**numbers, "num_trainable_params": ranked[chosen].num_trainable_params}
         if cluster.device == "cuda":  # how sure its "fits" is (launcher/margin.py)
-
             sure = confidence_note(ranked[chosen].memory.device_total_bytes, cluster.memory_bytes)
             notes += [f"chosen candidate's {sure}"] if sure else []
         if ranked[chosen].trains != asked:

@@ -114,6 +114,9 @@ def test_opt_30b_offloaded_over_two_titan_rtx():
     assert gpu1["kv_cache_bytes"] == on1 * kv_layer
     assert gpu0["offload_transient_bytes"] == fc1 and gpu1["offload_transient_bytes"] == 0
     assert out["fits"]
+    # GPU 1 is the fuller one: its headroom is weighed against the published underestimates
+    headroom = 1 - gpu1["device_total_bytes"] / 25395462144
+    assert any(f"headroom {headroom:.0%} of the GPU" in n for n in out["notes"]), out["notes"]
 
 
 def test_auto_balances_a_model_that_fits_and_sequential_fills_gpu_0():
