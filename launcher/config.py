@@ -316,7 +316,8 @@ class InferenceConfig:
     device_map: Optional[DeviceMap] = None  # type: ignore[valid-type]
     """null: every GPU holds the whole model or its tensor-parallel shard (tp_size). auto, balanced,
     balanced_low_0, sequential: transformers' from_pretrained(device_map=...) over `gpus` GPUs,
-    what does not fit offloaded to the CPU (16-bit and fp32 weights)."""
+    what does not fit offloaded to the CPU (16-bit and fp32 weights; bitsandbytes int8/nf4/fp4
+    models are placed on the GPUs only, as transformers requires without fp32 CPU offload)."""
     max_memory_gib: Optional[float] = None
     """With device_map: from_pretrained's max_memory per GPU, in GiB; null = the GPU's free memory
     (its capacity minus the CUDA context)."""

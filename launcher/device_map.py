@@ -52,10 +52,34 @@ def max_memory(gpu_count: int, gpu_free_bytes: int, host_bytes: int, cap_bytes: 
     return {**{i: int(per_gpu) for i in range(gpu_count)}, "cpu": int(host_bytes * CPU_SHARE_UNSET)}
 
 
-def place(model, mode: str, memory: dict) -> Placement:
-    """The device map of `model` (built on the meta device in its load dtype) under `mode` and
-    `memory` (`max_memory`), summed per device."""
-    from transformers.integrations.accelerate import _get_device_map, compute_module_sizes
+def bnb_quantizer(model, precision: str, double_quant: bool):
+    """Turn `model` (meta device, 16-bit) into what `from_pretrained(quantization_config=
+    BitsAndBytesConfig(...))` loads before placing it: transformers' own bitsandbytes quantizer
+    replaces the Linear layers it converts with bitsandbytes' Linear4bit / Linear8bitLt
+    (quantizers/quantizer_bnb_4bit.py, _8bit.py `_process_model_before_weight_loading`). Returns the
+    quantizer, which sizes the converted weights for the device map (`param_element_size`) and
+    keeps 10% of each device for quantization buffers (`adjust_max_memory`)."""
+    import torch
+    from transformers import BitsAndBytesConfig
+    from transformers.quantizers import AutoHfQuantizer
+
+    if precision == "int8":
+        config = BitsAndBytesConfig(load_in_8bit=True)
+    else:
+        config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=precision,
+                                    bnb_4bit_use_double_quant=double_quant, bnb_4bit_compute_dtype=torch.bfloat16)
+    quantizer = AutoHfQuantizer.from_config(config)
+    quantizer.preprocess_model(model, dtype=torch.bfloat16, device_map="auto",
+                               keep_in_fp32_modules=getattr(model, "_keep_in_fp32_modules", None) or [])
+    return quantizer
+
+
+def place(model, mode: str, memory: dict, quantizer=None, tensor_bytes=None) -> Placement:
+    """The device map of `model` (built on the meta device in its load dtype, converted by
+    `bnb_quantizer` when quantized) under `mode` and `memory` (`max_memory`), summed per device.
+    `tensor_bytes(module, tensor)`: the bytes one parameter or buffer holds on the device (default
+    numel x element size; the quantized layouts are the caller's)."""
+    from transformers.integrations.accelerate import _get_device_map
 
     if mode not in MODES:
         raise ValueError(f"device_map must be one of {MODES}, got {mode!r}")
@@ -63,10 +87,10 @@ def place(model, mode: str, memory: dict) -> Placement:
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # "Device 0 is not available": there is no GPU to plan on
     try:
-        device_map = _get_device_map(model, mode, dict(memory), None)
+        device_map = _get_device_map(model, mode, dict(memory), quantizer)
     finally:
         quiet.setLevel(level)
-    sizes, _ = compute_module_sizes(model, only_modules=False)  # a map may place single parameters
+    nbytes = tensor_bytes or (lambda module, t: t.numel() * t.element_size())
 
     def device_of(name: str):
         while name not in device_map and name:
@@ -74,20 +98,24 @@ def place(model, mode: str, memory: dict) -> Placement:
         return device_map.get(name, device_map.get(""))
 
     weights: dict = {}
-    for name, device in device_map.items():
-        weights[device] = weights.get(device, 0) + sizes[name]
     gpus = [d for d in device_map.values() if d not in ("cpu", "disk")]
     main = gpus[0] if gpus else 0
     layers: dict = {}
     blocks = set(model._no_split_modules or ())
-    transient = 0
+    transient, seen = 0, set()
     for name, module in model.named_modules():
+        own = 0
+        for pname, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if id(t) in seen:  # a tied weight is held once
+                continue
+            seen.add(id(t))
+            device = device_of(f"{name}.{pname}" if name else pname)
+            weights[device] = weights.get(device, 0) + nbytes(module, t)
+            own += nbytes(module, t)
         device = device_of(name)
         if type(module).__name__ in blocks:
             layers[device] = layers.get(device, 0) + 1
         if device in ("cpu", "disk"):
-            own = sum(t.numel() * t.element_size()
-                      for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)])
             transient = max(transient, own)
     head = model.get_output_embeddings()
     head_name = next(n for n, m in model.named_modules() if m is head)

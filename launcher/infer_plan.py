@@ -15,11 +15,12 @@ With `inference.device_map`, transformers' device map splits the layers over the
 from __future__ import annotations
 
 from launcher.errors import ConfigError
-from launcher import device_map, infer, margin
+from launcher import device_map, infer, margin, quant
 from launcher.memory import runtime
 
 GIB = 2**30
 LOAD_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # device_map: unquantized loads
+BNB = ("int8", "nf4", "fp4")  # device_map: bitsandbytes loads (16-bit load dtype for what stays unquantized)
 
 
 def check(config, spec) -> list[str]:
@@ -33,9 +34,10 @@ def check(config, spec) -> list[str]:
         dm = f"inference.device_map={inf.device_map.name}"
         if inf.tp_size != 1:
             out.append(f"{dm} splits layers, not tensors: set inference.tp_size=1 or inference.device_map=null")
-        if inf.precision.name not in LOAD_DTYPES:
-            out.append(f"{dm} is planned for 16-bit and fp32 weights, not inference.precision={inf.precision.name}; "
-                       "use inference.precision=bf16, fp16 or fp32, or inference.device_map=null")
+        if inf.precision.name not in (*LOAD_DTYPES, *BNB):
+            out.append(f"{dm} is planned for 16-bit, fp32 and bitsandbytes weights, not "
+                       f"inference.precision={inf.precision.name}; use inference.precision=bf16 or nf4, "
+                       "or inference.device_map=null")
         if config.hardware.device != "cuda":
             out.append(f"{dm} places layers on GPUs: use a GPU hardware profile, e.g. hardware=a100-80g")
     if inf.max_memory_gib is not None:
@@ -91,6 +93,20 @@ def infer_plan(config, spec) -> dict:
     }
 
 
+def _bnb_tensor_bytes(precision: str, double_quant: bool):
+    """Bytes of a tensor of a bitsandbytes-converted meta model once loaded: a Linear4bit weight as
+    quant.four_bit_weight_bytes (packed codes and QuantState, blocksize 64), a Linear8bitLt weight as
+    quant.int8_weight_bytes (int8 plus fp32 row scales), anything else as it is."""
+    def nbytes(module, t) -> int:
+        kind = type(module).__name__
+        if kind == "Linear4bit" and t is module.weight:
+            return quant.four_bit_weight_bytes(t.numel(), 64, double_quant, quant_type=precision)["total_bytes"]
+        if kind == "Linear8bitLt" and t is module.weight:
+            return quant.int8_weight_bytes(*t.shape)["total_bytes"]
+        return t.numel() * t.element_size()
+    return nbytes
+
+
 def _how_sure(device_total: int, hw) -> list[str]:
     """How sure a serving plan's "fits" is on a GPU: its headroom against the published
     underestimates (launcher/margin.py). Serving plans apply no margin; this says what one would."""
@@ -117,12 +133,27 @@ def placed_plan(config, spec) -> dict:
     """infer_plan under `inference.device_map`: one entry per GPU in `devices`, the offloaded bytes
     in `offload`."""
     inf, hw = config.inference, config.hardware
-    model = infer.meta_model(spec.hf_config, LOAD_DTYPES[inf.precision.name])
+    precision = inf.precision.name
+    model = infer.meta_model(spec.hf_config, LOAD_DTYPES.get(precision, "bfloat16"))
     ispec = infer.inference_spec_from_hf_config(spec.hf_config, model)
     context = runtime.cuda_context_bytes(hw.cuda_context_bytes)
     cap = None if inf.max_memory_gib is None else int(inf.max_memory_gib * GIB)
     memory = device_map.max_memory(config.gpus, hw.memory_bytes - context, hw.host_memory_bytes, cap)
-    placement = device_map.place(model, inf.device_map.name, memory)
+    if precision in BNB:
+        quantizer = device_map.bnb_quantizer(model, precision, inf.double_quant)
+        try:
+            placement = device_map.place(model, inf.device_map.name, memory, quantizer,
+                                         _bnb_tensor_bytes(precision, inf.double_quant))
+        except ValueError as err:  # transformers' bitsandbytes quantizer refuses a map that offloads
+            if "dispatched on the CPU" not in str(err):
+                raise
+            raise ConfigError(
+                f"inference.device_map={inf.device_map.name} at inference.precision={precision} does not fit on "
+                f"gpus={config.gpus} x {hw.name}: transformers would offload to the CPU, which bitsandbytes does only "
+                "with llm_int8_enable_fp32_cpu_offload (not planned); use more GPUs (gpus=...) or a larger "
+                "hardware profile") from None
+    else:
+        placement = device_map.place(model, inf.device_map.name, memory)
     per = infer.estimate_placed(ispec, placement, inf.precision.name, inf.batch_size, inf.prompt_len,
                                 inf.gen_len, inf.attn_implementation.name)
     devices = []

@@ -136,9 +136,38 @@ def test_auto_balances_a_model_that_fits_and_sequential_fills_gpu_0():
     assert capped["offload"]["cpu_bytes"] > 0
 
 
+@pytest.mark.parametrize("precision", ["nf4", "int8"])
+def test_a_bitsandbytes_model_split_by_device_map_holds_the_same_weights(precision):
+    """The device map is computed on transformers' bitsandbytes-converted meta model; the weights it
+    places, counted tensor by tensor, add up to what the whole-model arithmetic gives on one GPU
+    (two independent counts: which Linears are converted, the quantization states, the 16-bit rest),
+    plus the model's buffers, which a device map places too (the rotary inverse frequencies)."""
+    from launcher.app import model_spec
+    from launcher.cli import compose
+    from launcher.infer import meta_model
+
+    common = ("model=llama-3.1-8b", "hardware=a10g", f"inference.precision={precision}")
+    whole = _plan_in_process(*common, "gpus=1")["per_gpu"]["weight_bytes"]
+    split = _plan_in_process(*common, "gpus=2", "inference.device_map=auto")
+    model = meta_model(model_spec(compose([*common, "mode=plan"])).hf_config, "bfloat16")
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert 0 < buffers < 4096
+    assert sum(d["weight_bytes"] for d in split["devices"]) == whole + buffers
+    assert all(d["layers"] > 0 for d in split["devices"]) and split["offload"]["cpu_bytes"] == 0
+
+
+def test_a_bitsandbytes_model_that_would_offload_is_refused_in_one_line():
+    from launcher.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        _plan_in_process("model=llama-2-70b", "hardware=a10g", "gpus=1", "inference.precision=nf4",
+                         "inference.device_map=auto")
+    assert "llm_int8_enable_fp32_cpu_offload" in str(err.value) and "gpus=1" in str(err.value)
+
+
 @pytest.mark.parametrize("overrides, key", [
     (["inference.device_map=auto", "inference.tp_size=2"], "inference.device_map=auto"),
-    (["inference.device_map=auto", "inference.precision=nf4"], "inference.precision=nf4"),
+    (["inference.device_map=auto", "inference.precision=gptq_int4"], "inference.precision=gptq_int4"),
     (["inference.max_memory_gib=10"], "inference.max_memory_gib=10"),
     (["inference.device_map=auto", "inference.max_memory_gib=0"], "inference.max_memory_gib=0"),
     (["inference.device_map=auto", "hardware=cpu"], "inference.device_map=auto"),
