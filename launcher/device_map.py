@@ -18,6 +18,10 @@ holds tensors directly, copies its weights to that GPU before its forward and dr
 (accelerate/hooks.py AlignDevicesHook.pre_forward/post_forward). So the first GPU also holds, one at
 a time, the largest offloaded submodule's weights, and the KV cache and activations of every
 offloaded layer.
+
+A bitsandbytes load (`quantization_config=BitsAndBytesConfig(...)`) is placed as transformers
+places it: on the model its quantizer has converted (`bnb_quantizer`), which sizes the converted
+weights and keeps 10% of each device back; transformers refuses such a map if it offloads.
 """
 from __future__ import annotations
 
