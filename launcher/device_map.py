@@ -113,9 +113,9 @@ def place(model, mode: str, memory: dict, quantizer=None, tensor_bytes=None) -> 
             if id(t) in seen:  # a tied weight is held once
                 continue
             seen.add(id(t))
-            device = device_of(f"{name}.{pname}" if name else pname)
-            weights[device] = weights.get(device, 0) + nbytes(module, t)
-            own += nbytes(module, t)
+            device, held = device_of(f"{name}.{pname}" if name else pname), nbytes(module, t)
+            weights[device] = weights.get(device, 0) + held
+            own += held
         device = device_of(name)
         if type(module).__name__ in blocks:
             layers[device] = layers.get(device, 0) + 1
