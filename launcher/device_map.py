@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-MODES = ("auto", "balanced", "balanced_low_0", "sequential")
 CPU_SHARE_UNSET = 0.9  # transformers/integrations/accelerate.py get_max_memory: cpu *= 0.90 when max_memory is unset
 
 
@@ -42,7 +41,6 @@ class Placement:
     offload_transient_bytes: int  # largest offloaded submodule's own tensors, copied to the main GPU for its forward
     head_gpu: int  # the GPU that computes the logits
     max_memory: dict  # what the map was computed with, per device
-    device_map: dict  # module name -> device, as transformers computes it
 
     def layers_run(self, gpu: int) -> int:
         """Decoder layers whose forward runs on `gpu`: its own, and on the main GPU the offloaded ones."""
@@ -80,13 +78,12 @@ def bnb_quantizer(model, precision: str, double_quant: bool):
 
 def place(model, mode: str, memory: dict, quantizer=None, tensor_bytes=None) -> Placement:
     """The device map of `model` (built on the meta device in its load dtype, converted by
-    `bnb_quantizer` when quantized) under `mode` and `memory` (`max_memory`), summed per device.
+    `bnb_quantizer` when quantized) under `mode` (from_pretrained's device_map string: config.py
+    DeviceMap) and `memory` (`max_memory`), summed per device.
     `tensor_bytes(module, tensor)`: the bytes one parameter or buffer holds on the device (default
     numel x element size; the quantized layouts are the caller's)."""
     from transformers.integrations.accelerate import _get_device_map
 
-    if mode not in MODES:
-        raise ValueError(f"device_map must be one of {MODES}, got {mode!r}")
     quiet = logging.getLogger("accelerate.utils.modeling")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # "Device 0 is not available": there is no GPU to plan on
@@ -126,4 +123,4 @@ def place(model, mode: str, memory: dict, quantizer=None, tensor_bytes=None) -> 
     head_device = device_of(head_name)
     return Placement(weight_bytes=weights, layers=layers, main_gpu=main, offload_transient_bytes=transient,
                      head_gpu=main if head_device in ("cpu", "disk") else head_device,
-                     max_memory=dict(memory), device_map=dict(device_map))
+                     max_memory=dict(memory))

@@ -95,12 +95,12 @@ def infer_plan(config, spec) -> dict:
 
 def _bnb_tensor_bytes(precision: str, double_quant: bool):
     """Bytes of a tensor of a bitsandbytes-converted meta model once loaded: a Linear4bit weight as
-    quant.four_bit_weight_bytes (packed codes and QuantState, blocksize 64), a Linear8bitLt weight as
+    quant.four_bit_weight_bytes (packed codes and QuantState, its default blocksize 64), a Linear8bitLt weight as
     quant.int8_weight_bytes (int8 plus fp32 row scales), anything else as it is."""
     def nbytes(module, t) -> int:
         kind = type(module).__name__
         if kind == "Linear4bit" and t is module.weight:
-            return quant.four_bit_weight_bytes(t.numel(), 64, double_quant, quant_type=precision)["total_bytes"]
+            return quant.four_bit_weight_bytes(t.numel(), double_quant=double_quant, quant_type=precision)["total_bytes"]
         if kind == "Linear8bitLt" and t is module.weight:
             return quant.int8_weight_bytes(*t.shape)["total_bytes"]
         return t.numel() * t.element_size()
