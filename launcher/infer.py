@@ -178,15 +178,12 @@ def estimate_inference(spec: InferenceSpec, precision: str, batch_size: int, pro
     total_tokens = prompt_len + gen_len
     kv_bytes_per_value = kv_bytes_per_value or value_bytes(precision)  # DynamicCache keeps the model's dtype
     weights = weight_bytes(spec, precision, tp_size, blocksize, double_quant)
-    kv_full = kv_cache_bytes(spec, batch_size, total_tokens, tp_size, kv_bytes_per_value)
-    kv_prompt = kv_cache_bytes(spec, batch_size, prompt_len, tp_size, kv_bytes_per_value)
     prefill_act = forward_activation_bytes(spec, precision, batch_size, prompt_len, prompt_len, tp_size,
                                            attn_implementation)
     decode_act = forward_activation_bytes(spec, precision, batch_size, 1, total_tokens, tp_size,
                                           attn_implementation)
-    cat_transient = kv_full // (2 * spec.num_layers)
-    prefill = kv_prompt + prefill_act
-    decode = kv_full + decode_act + cat_transient
+    kv_full, prefill, decode, cat_transient = _generate_phases(
+        spec, spec.num_layers, batch_size, prompt_len, total_tokens, tp_size, kv_bytes_per_value, prefill_act, decode_act)
     return {
         "precision": precision,
         "tp_size": tp_size,
@@ -201,6 +198,17 @@ def estimate_inference(spec: InferenceSpec, precision: str, batch_size: int, pro
     }
 
 
+def _generate_phases(spec: InferenceSpec, layers: int, batch_size: int, prompt_len: int, total_tokens: int,
+                     tp_size: int, kv_bytes_per_value: int, prefill_act: int, decode_act: int) -> tuple:
+    """(KV cache of `layers` layers after the last token, prefill peak, last decode step peak, the
+    cache's torch.cat transient) of one GPU's share of `generate`, the phases of estimate_inference."""
+    per_token = kv_cache_bytes(spec, batch_size, 1, tp_size, kv_bytes_per_value) // spec.num_layers  # one layer
+    kv_full = layers * per_token * total_tokens
+    cat_transient = per_token * total_tokens // 2 if layers else 0  # one layer's K (or V)
+    return (kv_full, layers * per_token * prompt_len + prefill_act, kv_full + decode_act + cat_transient,
+            cat_transient)
+
+
 def estimate_placed(spec: InferenceSpec, placement, precision: str, batch_size: int, prompt_len: int,
                     gen_len: int, attn_implementation: str = "sdpa") -> dict:
     """Per-GPU bytes of `generate` on a model split by a device map (launcher/device_map.py
@@ -211,8 +219,6 @@ def estimate_placed(spec: InferenceSpec, placement, precision: str, batch_size: 
     runs; the main GPU also holds the largest offloaded submodule's weights while it runs
     (launcher/device_map.py). Peak per GPU = weights + offload transient + max(prefill, last decode
     step), the phases as in estimate_inference."""
-    v = value_bytes(precision)
-    kv_layer = kv_cache_bytes(spec, batch_size, 1, 1, v) // spec.num_layers  # per token
     total_tokens = prompt_len + gen_len
     gpus = sorted(d for d in placement.max_memory if d not in ("cpu", "disk"))  # every GPU, used or not
     out = {}
@@ -222,9 +228,8 @@ def estimate_placed(spec: InferenceSpec, placement, precision: str, batch_size: 
         runs = layers > 0 or head
         act = {q: forward_activation_bytes(spec, precision, batch_size, q, k, 1, attn_implementation, head=head)
                if runs else 0 for q, k in ((prompt_len, prompt_len), (1, total_tokens))}
-        kv_full = layers * kv_layer * batch_size * total_tokens
-        prefill = layers * kv_layer * batch_size * prompt_len + act[prompt_len]
-        decode = kv_full + act[1] + (kv_layer * batch_size * total_tokens // 2 if layers else 0)
+        kv_full, prefill, decode, _ = _generate_phases(spec, layers, batch_size, prompt_len, total_tokens, 1,
+                                                       value_bytes(precision), act[prompt_len], act[1])
         weights = placement.weight_bytes.get(gpu, 0)
         transient = placement.offload_transient_bytes if gpu == placement.main_gpu else 0
         out[gpu] = {"weight_bytes": weights, "layers": placement.layers.get(gpu, 0), "layers_run": layers,
