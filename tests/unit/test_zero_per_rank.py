@@ -199,3 +199,23 @@ def test_zero3_side_stream_buffers_follow_overlap_comm(overlap):
     streams = {(x.name, x.stream) for x in layout.terms if x.name in ("gathered_params", "reduce_scatter_flat")}
     assert streams == ({("gathered_params", 1), ("reduce_scatter_flat", 2)} if overlap is None
                        else {("gathered_params", 0), ("reduce_scatter_flat", 0)})
+
+
+@pytest.mark.parametrize("bucket,flat_numel,whole", [(10**6, 3 * (334 + 34 + 34), True),
+                                                     (1001, 3 * (334 + 34), False),
+                                                     (1000, 0, False)])
+def test_zero3_first_prefetch_is_one_coalesced_all_gather(bucket, flat_numel, whole):
+    """partitioned_param_coordinator.py `_fetch_sub_module_impl`: the outer module's fetch at the
+    start of forward prefetches from the trace queue while the prefetched numel is below the
+    bucket (so the parameter that crosses it is taken); partition_parameters.py
+    `_all_gather_dtype` gathers several parameters into one flat tensor of world size x their
+    partitions (ceil(numel / 3) each over 3 ranks), held until the batch's last parameter is
+    fetched. One parameter alone (bucket 1000: the 1000-element embedding) goes through
+    `_all_gather_sequential` and its buffer becomes the parameter: no flat buffer."""
+    t = tied_embedding_trace(2)
+    z = zero(3, dp=3, stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=bucket)
+    layout = zero3_layout(t, z)
+    got = [(x.nbytes, x.start, x.end) for x in layout.terms if x.name == "allgather_flat_buffer"]
+    fwd, layers_end = t.phases["forward"][0], t.layer_bounds["forward"][1]
+    # the whole model in one batch: freed when the LM head (after the layers) is fetched
+    assert got == ([] if not flat_numel else [(4 * flat_numel, fwd, (layers_end if whole else fwd) + 1)])

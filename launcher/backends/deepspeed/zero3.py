@@ -54,13 +54,13 @@ def forward_only_params(trace: StepTrace) -> set:
     their outputs need no gradient and their modules run no backward (DeepSpeed hooks a module's
     backward through its outputs, parameter_offload.py `_post_forward_module_hook` /
     `_run_before_backward_function`). An embedding tied to the LM head is used again there, and is
-    not one of them. Not modelled: the frozen Linears of the first decoder layer whose inputs need
-    no gradient either (e.g. the k_proj base of a q, v LoRA), held to that layer's backward.
-    Open question: a probe of DeepSpeed 0.19.8 (peft LoRA, 1 and 2 gloo ranks, fp32 and bf16) saw
-    the embedding released after its forward only in the first step, while the module trace is
-    recorded; in later steps it stayed gathered until backward ended. A fp32 tiny-llama run measures
-    that (this release makes its estimate 2.2% low); bf16 runs measure within 0.6% with it, so a
-    term of about the same size is still overestimated there."""
+    not one of them. A probe of DeepSpeed 0.19.8 (a peft LoRA tiny Llama, 1 gloo rank, fp32 and
+    bf16, steps 1-3 with a complete module trace) logged `__release_param` during forward: the
+    embedding is released after its forward in every step.
+    Not modelled: the same probe saw layer 0's q_proj base, k_proj and v_proj base (a q, v LoRA)
+    released after their forward too, since their inputs need no gradient either: 0.8-0.9% of
+    the tiny-llama runs' peak; 100 MB (bf16) on Llama-2-7B.
+    """
     p = trace.params
     embeddings = [i for i in distinct_params(trace) if p.role[i] == Role.EMBEDDING]
     if "embedding" not in trace.layer_bounds or any(p.trainable[i] for i in embeddings):
@@ -214,6 +214,31 @@ def fetch_event(trace: StepTrace, role: int) -> int:
     return int(bounds[0] if role == Role.LAYER else bounds[1])
 
 
+def first_prefetch_batch(trace: StepTrace, z: ZeroSetup) -> tuple[int, bool]:
+    """(elements of the flat buffer of the step's first coalesced all-gather, whether that gather
+    holds every non-persistent parameter), at the real depth; (0, False) for a one-parameter batch.
+
+    partitioned_param_coordinator.py `_fetch_sub_module_impl`: with a complete trace, every module
+    fetch prefetches parameters from the trace queue (forward order) while the prefetched numel is
+    below min(`stage3_prefetch_bucket_size`, `stage3_max_live_parameters`); persistent parameters
+    are already available and add nothing. The model's outermost module has no parameters of its
+    own, so its fetch at the start of forward prefetches the first batch. partition_parameters.py
+    `_all_gather_dtype` gathers a batch of several parameters into one flat tensor of (sum of the
+    partition numels) x world size, held by the batch's handle in `__inflight_param_registry`
+    until the batch's last parameter is waited for; `AllGatherCoalescedHandle.wait`, at the first
+    wait, copies every parameter of the batch out of it (`torch.cat(partitions)`). A one-parameter
+    batch goes through `_all_gather_sequential`, whose buffer becomes the parameter itself."""
+    sizes = full_depth_numels(trace, z.num_layers or trace.num_layers, frozen_too=True, numel=zero_numels(trace))
+    queue = [n for n in sizes if n > z.ds.stage3_param_persistence_threshold]
+    limit = min(z.ds.stage3_prefetch_bucket_size, z.ds.stage3_max_live_parameters)
+    batch: list[int] = []
+    while len(batch) < len(queue) and sum(batch) < limit:
+        batch.append(queue[len(batch)])
+    if len(batch) < 2:
+        return 0, False
+    return z.dp * sum(partition_numel(n, z.dp) for n in batch), len(batch) == len(queue)
+
+
 def gathered_param_terms(layout: Layout, trace: StepTrace, z: ZeroSetup) -> None:
     """Each non-persistent trainable parameter's gathered copy (numel x model bytes,
     partition_parameters.py `_all_gather_sequential` / `all_gather_coalesced`), alive from its
@@ -228,13 +253,28 @@ def gathered_param_terms(layout: Layout, trace: StepTrace, z: ZeroSetup) -> None
     LM-head weight only after the embedding's backward at the very end. Its gradient's
     AccumulateGrad node (autograd runs it before the module's post-backward hook) is the last
     event before the release, so the copy is live through the gradient's ready event (a parameter
-    without a traced gradient: until backward ends)."""
+    without a traced gradient: until backward ends).
+
+    When the step's first prefetch gathers every parameter in one coalesced all-gather
+    (`first_prefetch_batch`, a model smaller than `stage3_prefetch_bucket_size`), every copy is
+    made at the start of forward and the flat buffer lives until the LM head's fetch; a first
+    batch smaller than the model leaves a flat buffer for one event at the start of forward. The
+    flat buffers of later batches are not modelled: with HF's `auto` bucket (0.9 x hidden^2) most
+    Linear weights are larger than the bucket and each is gathered alone into the buffer that
+    becomes the parameter; smaller ones (grouped-query k/v projections) can share a batch, whose
+    flat buffer then lives until the batch's last fetch."""
     t, e = trace, z.model_bytes
     ready = dict(grad_ready_order(t))
     released = module_backward_events(t, ready)
     fallback = layout.reduce_ev(0)
     packed = zero_numels(t)
     forward_only = forward_only_params(t)
+    flat, whole = first_prefetch_batch(t, z)
+    start = t.phases["forward"][0]
+    stream = AG_STREAM if z.overlap_comm else 0
+    if flat:  # the first batch's flat buffer (`first_prefetch_batch`), freed when its last parameter is fetched
+        end = fetch_event(t, Role.HEAD) if whole else start
+        layout.add("allgather_flat_buffer", "parameters", e * flat, start, end + 1, stream=stream)
     for i in distinct_params(t):
         n = packed.get(i, int(t.params.numel[i]))
         if n <= z.ds.stage3_param_persistence_threshold:
@@ -242,8 +282,8 @@ def gathered_param_terms(layout: Layout, trace: StepTrace, z: ZeroSetup) -> None
         end = int(layout.ev(released[i])) + 1 if i in released else fallback
         if i in forward_only:  # released after its module's forward (`forward_only_params`)
             end = int(layout.ev(t.layer_bounds["embedding"][1]))
-        layout.add("gathered_params", "parameters", e * n, fetch_event(t, int(t.params.role[i])), end,
-                   stream=AG_STREAM if z.overlap_comm else 0)
+        fetched = start if whole else fetch_event(t, int(t.params.role[i]))  # whole: copied at the first wait
+        layout.add("gathered_params", "parameters", e * n, fetched, end, stream=stream)
 
 
 def module_backward_events(trace: StepTrace, ready: dict) -> dict:
