@@ -66,6 +66,25 @@ def test_deepspeed_qlora_measured_peak_matches_estimate(cli, strategy):
     assert chosen["peft"]["quant_storage"] == ("bfloat16" if strategy == "zero3" else None)
 
 
+@pytest.mark.parametrize("max_live", [40_000, pytest.param(1_000_000_000, marks=pytest.mark.long)])
+def test_zero3_prefetch_window_measured_peak_matches_estimate(cli, max_live):
+    """ZeRO-3 with every parameter released after its module (stage3_max_reuse_distance=0) and a
+    prefetch bucket smaller than any parameter: each module fetch, parameter-less modules
+    included, prefetches one more parameter while fewer than stage3_max_live_parameters elements
+    are gathered, so the gathered set grows to that limit (tiny-llama: 133,120 gatherable
+    elements). With the limit counted as one prefetch bucket the estimate read -2.1% (limit 40,000)
+    and -9.8% (DeepSpeed's default 10**9, where the whole model ends up gathered)."""
+    run_dir = cli.cwd / "run"
+    r = cli("model=tiny-llama", "hardware=cpu", "gpus=2", "strategy=zero3", "mode=measure", "report=json",
+            "training.seq_len=64", "training.micro_batch_size=2", "training.precision=32-true",
+            "measure.memory_steps=2", "measure.timing_steps=0", "measure.warmup_steps=1",
+            "deepspeed.reduce_bucket_size=200000", "deepspeed.stage3_prefetch_bucket_size=1000",
+            "deepspeed.stage3_param_persistence_threshold=100", "deepspeed.stage3_max_reuse_distance=0",
+            f"deepspeed.stage3_max_live_parameters={max_live}", f"hydra.run.dir={run_dir}", timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    _within_bound(run_dir)
+
+
 def test_lora_with_the_base_trained_measured_peak_matches_estimate(cli):
     """peft.train_base=true (DeepSpeed-Chat's LoRA layers without --only_optimize_lora): the
     adapters and every base parameter train, so the base gets gradients and optimizer states."""

@@ -142,11 +142,15 @@ def test_zero3_gathered_parameters_follow_the_reuse_distance():
     sizes = [1000] * 10
     keep_all = _zero(3, 2, stage3_param_persistence_threshold=0, stage3_max_reuse_distance=10**9)
     assert gathered_param_bytes(sizes, keep_all) == (2 * 10_000, True)
-    # reuse distance 2 x (numel after it) < 4500 keeps the last three parameters only;
-    # the rest are re-gathered one at a time with the prefetch bucket
-    some = _zero(3, 2, stage3_param_persistence_threshold=0, stage3_max_reuse_distance=4500,
-                 stage3_prefetch_bucket_size=500)
-    assert gathered_param_bytes(sizes, some) == (2 * (3000 + 1000 + 500), False)
+    # reuse distance 2 x (numel after it) < 4500 keeps the last three parameters only; the rest
+    # are released and prefetched again, every module fetch taking more while fewer than
+    # stage3_max_live_parameters elements are gathered: from the LM head back, 1000 at a time,
+    # until the sum reaches the limit (5500 -> 6000; 10**9 -> the whole model), but never fewer
+    # than the kept ones plus the one being fetched (limit 2000: 3000 + 1000)
+    for live, gathered in ((5500, 6000), (10**9, 10_000), (2000, 4000)):
+        some = _zero(3, 2, stage3_param_persistence_threshold=0, stage3_max_reuse_distance=4500,
+                     stage3_prefetch_bucket_size=500, stage3_max_live_parameters=live)
+        assert gathered_param_bytes(sizes, some) == (2 * gathered, False)
     persistent = _zero(3, 2, stage3_param_persistence_threshold=1000)
     assert gathered_param_bytes(sizes, persistent) == (0, True)
 

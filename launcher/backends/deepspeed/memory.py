@@ -94,6 +94,7 @@ def deepspeed_notes(z: ZeroSetup, gathered) -> tuple:
         notes.append("ZeRO-3 gathered parameters: " + (
             "each kept gathered from its module's forward fetch to its own backward (2 x model "
             "numel < stage3_max_reuse_distance), on the per-depth curve" if gathered[1] else
-            "partly re-gathered per module, prefetch bucket added; added at full depth to the "
-            "forward and backward peaks") + ".")
+            f"partly released and prefetched again, up to stage3_max_live_parameters="
+            f"{z.ds.stage3_max_live_parameters} elements gathered at once ({gathered[0]:,} bytes, "
+            "zero3.py gathered_param_bytes); added at full depth to the forward and backward peaks") + ".")
     return tuple(notes)

@@ -166,14 +166,25 @@ def zero3_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
 
 
 def gathered_param_bytes(sizes: list[int], z: ZeroSetup) -> tuple[int, bool]:
-    """Bytes of gathered (non-persistent) parameters alive at the end of forward, in steady state.
+    """Bytes of gathered (non-persistent) parameters alive at the step's peaks (the end of forward
+    and the start of backward), in steady state. Returns (bytes, all_kept).
 
-    partitioned_param_coordinator.py `__params_to_release`: after a module runs, a parameter is
-    kept gathered if the traced module order reuses it within `stage3_max_reuse_distance` elements;
-    a forward parameter is reused by its own backward after the forward and backward of every later
-    parameter: 2 x (numel after it). Parameters that are released are re-gathered one module at a
-    time, with up to `stage3_prefetch_bucket_size` elements (bounded by
-    `stage3_max_live_parameters`) prefetched (`fetch_sub_module`). Returns (bytes, all_kept)."""
+    Reuse: partitioned_param_coordinator.py `__params_to_release` keeps a parameter gathered after
+    its module runs if the traced module order reuses it within `stage3_max_reuse_distance`
+    elements; a forward parameter is reused by its own backward after the forward and backward of
+    every later parameter: 2 x (numel after it). When all are kept, the caller places each copy on
+    the per-depth curve (`gathered_param_terms`).
+
+    Prefetch: otherwise `_fetch_sub_module_impl` prefetches, at every module fetch (modules
+    without parameters of their own included: decoder layers, attention and MLP blocks,
+    activations, dropouts), up to `stage3_prefetch_bucket_size` elements of the parameters next in
+    the trace, while the gathered numel (`__n_available_params`, kept ones included) is below
+    `stage3_max_live_parameters`. A model has more module fetches than parameters, so the gathered
+    set grows until that limit, crossed by the last parameter taken. At the end of forward the
+    trace continues with the LM head's backward and the last layers' backward, so the gathered set
+    is the parameters in backward order from the LM head until their sum reaches
+    `stage3_max_live_parameters` (all of them when it never does), or the kept ones and the
+    largest released one when those are more."""
     threshold = z.ds.stage3_param_persistence_threshold
     kept, released_max, after = 0, 0, 0
     for n in reversed(sizes):
@@ -185,8 +196,12 @@ def gathered_param_bytes(sizes: list[int], z: ZeroSetup) -> tuple[int, bool]:
         after += n
     if released_max == 0:
         return z.model_bytes * kept, True
-    prefetch = min(z.ds.stage3_prefetch_bucket_size, z.ds.stage3_max_live_parameters)
-    return z.model_bytes * (kept + released_max + prefetch), False
+    window = 0
+    for n in reversed(sizes):
+        if window >= z.ds.stage3_max_live_parameters:
+            break
+        window += n if n > threshold else 0
+    return z.model_bytes * max(kept + released_max, window), False
 
 
 def all_kept_gathered(trace: StepTrace, z: ZeroSetup) -> bool:
