@@ -93,6 +93,9 @@ class StepTrace:
     # hand-built traces.
     itemsize: np.ndarray | None = None  # int8
     op_class: np.ndarray | None = None  # int8 OpClass
+    # Per row, the parameter an optimizer-step temporary was computed for (foreach AdamW's
+    # per-parameter square roots), -1 for the rest (trace.py `_owners`). None in hand-built traces.
+    owner: np.ndarray | None = None  # int64
 
     def live_curve(self, free: np.ndarray | None = None, mask: np.ndarray | None = None,
                    rounding: int = 1) -> np.ndarray:

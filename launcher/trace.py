@@ -170,6 +170,8 @@ class _Recorder:
         self.refs: dict[int, weakref.ref] = {}
         self.flops = 0.0
         self.attention_flops = 0.0  # the part of `flops` in fused attention kernels (sdpa)
+        self.derive = False  # while True (the optimizer step): note what each new storage came from
+        self.derived: dict[int, int] = {}  # row -> the row of the input it was computed from
 
     def see(self, storage, itemsize: int, op_class: int = OpClass.ELEMENTWISE) -> None:
         sid = id(storage)
@@ -228,15 +230,41 @@ def _dispatch_mode(recorder: _Recorder):
                     recorder.attention_flops += flops
             op_class = (OpClass.FLOP if formula is not None else
                         OpClass.COPY if func._overloadpacket in copy_ops else OpClass.ELEMENTWISE)
+            first = len(recorder.nbytes)
             if isinstance(out, Tensor):
                 see(out.untyped_storage(), out.element_size(), op_class)
             else:
                 for t in tree_leaves(out):
                     if isinstance(t, Tensor):
                         see(t.untyped_storage(), t.element_size(), op_class)
+            if recorder.derive and len(recorder.nbytes) > first:
+                _note_sources(recorder, first, out, args)
             return out
 
     return _Mode()
+
+
+def _note_sources(recorder: _Recorder, first: int, out, args) -> None:
+    """For the rows an op just created (from `first` on): the row of the input each was computed
+    from. A foreach op's i-th output comes from the i-th tensor of its first list argument (one
+    per parameter: torch/optim/adamw.py `_multi_tensor_adamw`); any other op's from its first
+    tensor argument."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    Tensor = torch.Tensor
+    if isinstance(out, (list, tuple)) and args and isinstance(args[0], (list, tuple)):
+        pairs = zip(out, args[0])
+    else:
+        src = next((a for a in tree_leaves(args) if isinstance(a, Tensor)), None)
+        pairs = [(o, src) for o in tree_leaves(out)]
+    for o, src in pairs:
+        if not (isinstance(o, Tensor) and isinstance(src, Tensor)):
+            continue
+        ro = recorder.row_of.get(id(o.untyped_storage()))
+        rs = recorder.row_of.get(id(src.untyped_storage()))
+        if ro is not None and rs is not None and ro >= first and rs != ro:
+            recorder.derived.setdefault(ro, rs)
 
 
 # ----------------------------------------------------------------------------- the step
@@ -401,7 +429,9 @@ def _run_step(key: TraceKey, rec: _Recorder, marks: dict, grads: dict):
         marks["flops"] = {"forward": flops1 - flops0, "backward": rec.flops - flops1,
                           "attention_forward": attn1 - attn0, "attention_backward": rec.attention_flops - attn1}
         if opt is not None:
+            rec.derive = True
             opt.step()
+            rec.derive = False
         marks["zero_grad"] = rec.num_events
         (opt or model).zero_grad(set_to_none=True)
         marks["end"] = rec.num_events
@@ -661,6 +691,7 @@ def trace_step(key: TraceKey) -> StepTrace:
         n, num_events = len(rec.nbytes), marks["end"]  # later frees and rows are not the step's
         params, param_rows = _param_table(model, rec)
         kind, ready, param = _classify(model, opt, rec, n, params, param_rows, grads)
+        owner = _owners(rec.derived, param)
         kind[marks["inputs"]] = Kind.BUFFER
         free = np.array(rec.free[:n], np.int64)
         nbytes = list(rec.nbytes[:n])
@@ -683,7 +714,20 @@ def trace_step(key: TraceKey) -> StepTrace:
                      free=_canonical_free_order(free, num_events, cuts), kind=kind, ready=ready,
                      param=param, num_events=num_events, phases=phases, flops=marks["flops"],
                      layer_bounds=bounds, itemsize=np.array(rec.itemsize[:n], np.int8),
-                     op_class=np.array(rec.op_class[:n], np.int8))
+                     op_class=np.array(rec.op_class[:n], np.int8), owner=owner)
+
+
+def _owners(derived: dict[int, int], param: np.ndarray) -> np.ndarray:
+    """Per row, the parameter an optimizer-step temporary was computed for: the `param` of the
+    row it derives from (`_note_sources`), followed back through other temporaries; -1 else."""
+    owner = np.full(len(param), -1, np.int64)
+    for row in derived:
+        src, seen = row, 0
+        while src in derived and param[src] < 0 and seen < 64:
+            src, seen = derived[src], seen + 1
+        if param[src] >= 0 and param[row] < 0:
+            owner[row] = param[src]
+    return owner
 
 
 def _classify(model, opt, rec: _Recorder, n: int, params: ParamTable, param_rows, grads):
@@ -729,7 +773,7 @@ def at_micro_batch(ta: StepTrace, tb: StepTrace, micro_batch_size: int) -> StepT
             and ta.layer_bounds == tb.layer_bounds
             and len(ta.nbytes) == len(tb.nbytes) and all(
                 np.array_equal(getattr(ta, f), getattr(tb, f))
-                for f in ("alloc", "free", "kind", "ready", "param", "itemsize", "op_class")))
+                for f in ("alloc", "free", "kind", "ready", "param", "itemsize", "op_class", "owner")))
     if not same or tb.micro_batch_size != ta.micro_batch_size + 1:
         raise ValueError("the two traces differ in their events or are not at m and m+1")
     k = micro_batch_size - ta.micro_batch_size
@@ -740,9 +784,9 @@ def at_micro_batch(ta: StepTrace, tb: StepTrace, micro_batch_size: int) -> StepT
 
 # ----------------------------------------------------------------------------- cache
 
-_FORMAT_VERSION = 10  # the tracer's version: bump when the trace's content or file layout changes
+_FORMAT_VERSION = 11  # the tracer's version: bump when the trace's content or file layout changes
 _MEMO: dict[str, StepTrace] = {}
-_ROW_FIELDS = ("nbytes", "alloc", "free", "kind", "ready", "param", "itemsize", "op_class")
+_ROW_FIELDS = ("nbytes", "alloc", "free", "kind", "ready", "param", "itemsize", "op_class", "owner")
 _PARAM_FIELDS = ("numel", "element_size", "trainable", "role", "layer", "tied_to")
 
 

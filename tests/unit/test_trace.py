@@ -282,3 +282,18 @@ def test_corrupt_cache_entry_is_traced_again(tmp_path):
     np.testing.assert_array_equal(again.nbytes, first.nbytes)
     assert tr.cached_trace(k, tmp_path) is again  # in-process memo
     assert tr._load(path).num_events == first.num_events  # rewritten whole
+
+
+def test_foreach_adamw_temporaries_name_their_parameter():
+    """torch/optim/adamw.py `_multi_tensor_adamw`: `torch._foreach_sqrt(exp_avg_sqs)` makes one
+    tensor per parameter, of its size; the trace names the parameter each was computed for."""
+    step = tr.trace_step(key(llama(3), num_layers=3, seq_len=64, autocast_dtype="bfloat16"))
+    a, b = step.phases["optimizer"]
+    temps = (step.alloc >= a) & (step.alloc < b) & (step.kind == Kind.ACT) & (step.owner >= 0)
+    owners = step.owner[temps]
+    trainable = np.nonzero(step.params.trainable)[0]
+    assert set(owners.tolist()) == set(trainable.tolist())
+    # each parameter has a temporary of its own size (fp32 parameters under bf16 autocast)
+    same = {int(p) for p, nb in zip(owners, step.nbytes[temps]) if nb == step.params.numel[p] * 4}
+    assert same == set(trainable.tolist())
+    assert (step.owner[step.param >= 0] == -1).all()  # parameters, gradients, states keep `param`
