@@ -234,11 +234,11 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
                                num_trainable_params=numbers["num_trainable_params"], grad_accum_steps=accum,
                                dp_size=dp, knobs=knobs, spec=spec, counts=step_counts(traces, config))
     usable = int(cluster.memory_bytes * (1 - config.planner.safety_margin))
-    fits_device = mem.device_total_bytes <= usable
+    fits_device = mem.oom_bytes <= usable
     host_need = mem.host_bytes * cluster.gpus_per_node
     fits_host = host_need <= cluster.host_memory_bytes
     if not fits_device:
-        reason = (f"OOM: {gib(mem.device_total_bytes)} > {gib(usable)} usable "
+        reason = (f"OOM: {gib(mem.oom_bytes)} > {gib(usable)} usable "
                   f"({config.planner.safety_margin:.1%} margin); largest term: {largest_term(mem.breakdown)}")
     elif not fits_host:
         reason = f"host RAM: offload needs {gib(host_need)} per node > {gib(cluster.host_memory_bytes)}"
@@ -351,7 +351,7 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env | N
     if chosen is not None:  # the trainable count of what the chosen candidate trains
         numbers = {**numbers, "num_trainable_params": ranked[chosen].num_trainable_params}
         if cluster.device == "cuda":  # how sure its "fits" is (launcher/margin.py)
-            sure = confidence_note(ranked[chosen].memory.device_total_bytes, cluster.memory_bytes)
+            sure = confidence_note(ranked[chosen].memory.oom_bytes, cluster.memory_bytes)
             notes += [f"chosen candidate's {sure}"] if sure else []
         if ranked[chosen].trains != asked:
             notes.append(f"no candidate that trains {asked} fits: the chosen one trains "

@@ -32,6 +32,7 @@ def candidate_to_dict(c: Candidate, capacity_bytes: int) -> dict:
             "peak_allocated_bytes": m.peak_allocated_bytes,
             "peak_reserved_bytes": m.peak_reserved_bytes,
             "device_total_bytes": m.device_total_bytes,
+            "needed_bytes": m.oom_bytes,
             "capacity_bytes": capacity_bytes,
             "host_bytes": m.host_bytes,
             "peak_phase": m.peak_phase,

@@ -88,7 +88,7 @@ def build_table(plan: Plan, capacity_bytes: int, device: str, wide: bool):
     table = Table(title=title(plan, capacity_bytes, device), box=None, pad_edge=False, header_style="bold",
                   title_justify="left")
     columns = [("#", "right"), ("strategy", "left"), ("trains", "left"), ("micro", "right"),
-               ("accum", "right"), (f"total {unit}", "right"), ("alloc", "right")]
+               ("accum", "right"), (f"total {unit}", "right")] + [("needs", "right")] * wide + [("alloc", "right")]
     if wide:
         columns += [("params", "right"), ("grads", "right"), ("optim", "right"), ("activ", "right"),
                     ("buffers", "right"), ("runtime", "right")]
@@ -103,7 +103,7 @@ def build_table(plan: Plan, capacity_bytes: int, device: str, wide: bool):
         m = c.memory
         style = "bold green" if i == plan.chosen else (None if c.fits else "red")
         cells = [str(i), strategy_label(c), trains_label(c), str(c.micro_batch_size), str(c.grad_accum_steps),
-                 fmt(m.device_total_bytes), fmt(m.peak_allocated_bytes)]
+                 fmt(m.device_total_bytes), *[fmt(m.oom_bytes)] * wide, fmt(m.peak_allocated_bytes)]
         if wide:
             cells += [fmt(m.breakdown.get(k, 0)) for k in BREAKDOWN_KEYS]
         verdict = ("CHOSEN: fastest that fits" if i == plan.chosen else c.reason) if wide \
@@ -120,10 +120,12 @@ def legend(plan: Plan, unit: str, device: str, wide: bool) -> list[str]:
     lines = [f"{unit} {each} on the worst rank. {total}; alloc = max_memory_allocated; "
              "host = offloaded bytes per rank (shown with offload).",
              "One row per strategy: its fastest candidate that fits, or its smallest and why it does not fit. "
-             "sizes = micro-batch sizes planned and how many fit (<= the largest that fits).",
+             "sizes = micro-batch sizes planned and how many fit (<= the largest that fits)"
+             + (".", "; a candidate fits when what it needs (total less the cached segments the allocator "
+                "frees before it reports out of memory) is within the usable memory.")[device != "cpu"],
              "trains = 'full' fine-tuning, or LoRA/QLoRA adapters on a frozen base (+ckpt = gradient checkpointing)."]
     if wide:
-        lines.insert(1, "params..runtime = breakdown at the peak.")
+        lines.insert(1, "needs = what decides the fit; params..runtime = breakdown at the peak.")
     else:
         lines.append("Every candidate, memory breakdown and full verdict: plan.html, plan.json; report=wide prints "
                      "every column.")

@@ -80,6 +80,14 @@ class MemoryEstimate:
     # every data-parallel rank's peak allocated (the headline is their maximum) when ranks differ
     # (ZeRO 1-2: each rank's gradient partition); empty: every rank = peak_allocated_bytes
     per_rank_peak_allocated_bytes: tuple = ()
+    # the device memory the step needs to run (GPU): peak allocated + the cache an out-of-memory
+    # retry cannot release + CUDA context + NCCL; 0: the device total (CPU, hand-built estimates)
+    needed_bytes: int = 0
+
+    @property
+    def oom_bytes(self) -> int:
+        """What decides whether the step fits the device: `needed_bytes`, else the device total."""
+        return self.needed_bytes or self.device_total_bytes
 
     def rank_peak_allocated_bytes(self, rank: int) -> int:
         """Peak allocated bytes of data-parallel `rank`."""

@@ -96,7 +96,7 @@ def plan_row(args: list[str], mode: str, cuda_alloc_conf: str | None = None, par
     cand = plan.candidates[0]
     m = cand.memory
     views = {"allocated": m.peak_allocated_bytes, "reserved": m.peak_reserved_bytes,
-             "device_total": m.device_total_bytes}
+             "device_total": m.device_total_bytes, "needed": m.oom_bytes}
     views["unstated"] = views["reserved"]
     # after the model is built, before any step: its parameters and buffers (the breakdown's terms
     # for a strategy that keeps every parameter whole on the device: single, ddp)
@@ -112,8 +112,8 @@ def evaluate(key: str, spec: dict, row: dict) -> Result:
     except Exception as err:  # noqa: BLE001 - a row that cannot be planned is reported, not fatal
         res.error = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
         return res
-    if "capacity" in spec:
-        total = views["device_total"]
+    if "capacity" in spec:  # fit/OOM as the planner decides it: the memory the step needs
+        total = views.get("needed", views["device_total"])
         res.estimate_bytes = total
         res.capacity_ok = (total <= capacity) if spec["capacity"] == "fits" else (total > capacity)
         res.detail = f"{spec['capacity']} on {capacity / 2**30:.2f} GiB"

@@ -12,7 +12,10 @@ Rules (GPU_MEMORY.md, from the allocator source):
 - `should_split`: small pool if >= 512 B remain, large pool if more than 1 MiB remains (and the
   request is below `max_split_size`); otherwise the whole block is handed out;
 - `free_block`: a freed block merges with free neighbours of its segment; segments are never
-  returned (no `empty_cache`, no out-of-memory retry).
+  returned (no `empty_cache`), so `peak_reserved` is what a run with memory to spare reports;
+- out of memory: before failing, `malloc` frees every cached block that is a whole segment
+  (`release_cached_blocks`; with expandable segments the unused pages), so a step needs only its
+  peak of reserved minus those (`peak_needed`).
 With `expandable_segments:True` (PYTORCH_CUDA_ALLOC_CONF; "Note [Expandable Segments]" in the
 same file) each pool is one segment per stream that grows by whole pages (2 MiB for the small pool,
 20 MiB for the large one): a request no free block fits is placed at the segment's end, extending
@@ -76,16 +79,30 @@ class CachingAllocator:
         self._seg_ids = itertools.count()
         self.reserved = self.allocated = 0
         self.peak_reserved = self.peak_allocated = 0
+        self.releasable = 0  # cached bytes an out-of-memory retry would return (`_releasable`)
+        self.peak_needed = 0  # the peak of reserved minus `releasable`
+
+    def _releasable(self, b: _Block) -> int:
+        """What `release_cached_blocks` (run when a cudaMalloc fails, before the allocator reports
+        out of memory) returns of a free block: a whole segment (`release_block`), or with
+        expandable segments the whole pages inside the block (`release_expandable_segment` unmaps
+        unused pages)."""
+        if self.expandable:
+            page = SMALL_BUFFER if b.pool[1] else LARGE_BUFFER
+            return (b.offset + b.size) // page * page - -(-b.offset // page) * page if b.size >= page else 0
+        return b.size if b.prev is None and b.next is None else 0
 
     def _insert(self, b: _Block) -> None:
         b.free = True
         bisect.insort(self._free.setdefault(b.pool, []), b.key())
         self._blocks.setdefault(b.pool, {})[b.key()] = b
+        self.releasable += max(0, self._releasable(b))
 
     def _remove(self, b: _Block) -> None:
         keys = self._free[b.pool]
         del keys[bisect.bisect_left(keys, b.key())]
         del self._blocks[b.pool][b.key()]
+        self.releasable -= max(0, self._releasable(b))
         b.free = False
 
     def malloc(self, nbytes: int, stream: int = 0) -> _Block:
@@ -115,6 +132,7 @@ class CachingAllocator:
             self._insert(rest)
         self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self.peak_needed = max(self.peak_needed, self.reserved - self.releasable)
         return block
 
     def _grow(self, pool: tuple, size: int) -> _Block:

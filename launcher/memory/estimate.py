@@ -45,7 +45,7 @@ from launcher.types import Cluster, MemoryEstimate, Strategy, Workload
 
 from launcher.memory import runtime
 from launcher.memory.common import PHASES, extrapolate_layouts, extrapolate_peaks, host_bytes, phase_peaks
-from launcher.memory.replay import peak_reserved_bytes
+from launcher.memory.replay import held_cache
 
 
 def trace_request(strategy: Strategy, workload: Workload) -> dict:
@@ -133,13 +133,14 @@ def _estimate(traces: TraceSet, layouts: list, notes, gathered, extra: dict, clu
                               tuple(notes) + CPU_NOTES)
     workspace = runtime.cublas_workspace_bytes(cluster.sm_arch)
     allocated = total[phase] + workspace
-    reserved = peak_reserved_bytes(layouts[-1], cluster.sm_arch, allocated, cluster.expandable_segments,
-                                   replay_memo)
+    held, needed = held_cache(layouts[-1], cluster.sm_arch, cluster.expandable_segments, replay_memo,
+                              shallower=layouts[0], num_layers=traces.num_layers)
+    reserved = allocated + held
     outside = runtime.cuda_context_bytes(cluster.cuda_context_bytes) + runtime.nccl_bytes(dp_size)
     bd["runtime"] = workspace + outside
     expandable = (EXPANDABLE_NOTE,) if cluster.expandable_segments else ()
     return MemoryEstimate(allocated, reserved, reserved + outside, host, bd, phase,
-                          tuple(notes) + GPU_NOTES + expandable)
+                          tuple(notes) + GPU_NOTES + expandable, needed_bytes=allocated + needed + outside)
 
 
 FLASH_NOTE = ("GPU flash attention backward: its fp32 dq accumulator and, with grouped-query attention, "
@@ -153,9 +154,13 @@ CPU_NOTES = (
 )
 GPU_NOTES = (
     "GPU: 512 B allocator rounding; peak reserved = peak allocated + the cache a caching-allocator "
-    "replay of the step at the deeper traced depth holds above its live bytes (default settings; "
+    "replay of the step rebuilt at the real depth holds above its live bytes (default settings; "
     "a framework's side-stream buffers cached per stream where its layout names them: FSDP2); "
     "cuBLAS workspaces 2 x 8.125 MiB (32 MiB each on sm90+) in allocated.",
+    "fits: judged on the memory the step needs, peak allocated + the part of that cache an "
+    "out-of-memory retry cannot release (the allocator frees its unused cached segments before it "
+    "reports out of memory, CUDACachingAllocator.cpp release_cached_blocks) + CUDA context + NCCL; "
+    "device total is what nvidia-smi shows when memory is plentiful.",
     "device total = reserved + CUDA context (hardware setting) + NCCL per process group "
     "(544 MiB for 2 ranks, 688 MiB for more: NVIDIA/nccl issue 964, one group assumed).",
     "breakdown: parameters..buffers at the allocated peak; runtime = cuBLAS + context + NCCL.",

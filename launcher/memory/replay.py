@@ -16,17 +16,156 @@ from .common import Layout
 from .runtime import cublas_workspace_allocations
 
 
-def allocation_events(layout: Layout, sm_arch: int) -> list[tuple]:
-    """(time, op, key, nbytes, stream) for the device storages of a layout, steady state: persistent
-    storages (alive from the first to the last event) are allocated once, before everything else,
-    with the cuBLAS workspaces; the rest of the step is replayed twice, so the second step reuses the
-    first step's segments as the real second step does. Storages left alive at the end of the first
-    replay are freed before the second. At one time, frees come before allocations."""
-    t, n = layout.trace, layout.num_events
-    items = [(int(layout.alloc[r]), int(layout.free[r]), ("row", r), int(t.nbytes[r]), 0)
+def _items(layout: Layout) -> list[tuple]:
+    """(alloc event, free event, key, bytes, stream) of every device storage of a layout."""
+    t = layout.trace
+    items = [(int(layout.alloc[r]), int(layout.free[r]), ("row", int(r)), int(t.nbytes[r]), 0)
              for r in layout.mask.nonzero()[0]]
-    items += [(term.start, term.end, ("term", j), term.nbytes, term.stream)
-              for j, term in enumerate(layout.terms) if not term.host]
+    return items + [(term.start, term.end, ("term", j), term.nbytes, term.stream)
+                    for j, term in enumerate(layout.terms) if not term.host]
+
+
+def layer_blocks(shallower: Layout, deeper: Layout) -> tuple[int, int] | None:
+    """(forward, backward) events of one decoder layer on the layout timeline: how much longer the
+    deeper layout's layer regions (`StepTrace.layer_bounds`) are than the shallower one's, one
+    layer apart. None when the two cannot be told apart by one repeated layer (depths not
+    consecutive, the deeper below 3, no layer bounds)."""
+    a, b = shallower.trace, deeper.trace
+    if b.num_layers != a.num_layers + 1 or b.num_layers < 3:
+        return None
+    spans = []
+    for phase in ("forward", "backward"):
+        if phase not in a.layer_bounds or phase not in b.layer_bounds:
+            return None
+        (a0, a1), (b0, b1) = (lay.ev(np.asarray(x.layer_bounds[phase])) for lay, x in ((shallower, a), (deeper, b)))
+        spans.append(int(b1 - b0) - int(a1 - a0))
+    fl, bl = spans
+    f0, f1 = (int(x) for x in deeper.ev(np.asarray(b.layer_bounds["forward"])))
+    b0, b1 = (int(x) for x in deeper.ev(np.asarray(b.layer_bounds["backward"])))
+    if fl <= 0 or bl <= 0 or f1 - 2 * fl < f0 or b0 + 2 * bl > b1:
+        return None
+    return fl, bl
+
+
+def full_depth_items(shallower: Layout, deeper: Layout, num_layers: int) -> tuple[list[tuple], int] | None:
+    """The deeper layout's storages at `num_layers` layers, and that step's event count: its
+    second-to-last decoder layer (the last one with a layer on either side) repeated until the
+    model has `num_layers` layers. The layers' forward blocks run in order and their backward
+    blocks in reverse, each `layer_blocks` long, so the k = num_layers - depth inserted layers go
+    after that layer's forward block and before its backward block: an event after the former
+    moves k forward blocks later, one after the last layer's backward block k forward and k
+    backward blocks later. A storage allocated in that layer's forward or backward block (its
+    activations, saved tensors, gradients, a framework's per-layer buffers) is repeated for
+    every inserted layer c = 1..k: its forward events c forward blocks later, its backward events
+    c backward blocks earlier than where that layer's backward block now starts. A storage of one
+    of that layer's parameters allocated elsewhere (the parameter itself when the model is built,
+    its optimizer states, the optimizer step's temporaries computed for it: `StepTrace.owner`) is
+    repeated where it is. None when `layer_blocks` is None or the model is no deeper than the
+    trace. A framework storage outside the layers' blocks that one more layer makes larger
+    (`_outside_term_growth`) grows by k times that."""
+    blocks = layer_blocks(shallower, deeper)
+    k = num_layers - deeper.trace.num_layers
+    if blocks is None or k <= 0:
+        return None
+    fl, bl = blocks
+    t = deeper.trace
+    f0, f1 = (int(x) for x in deeper.ev(np.asarray(t.layer_bounds["forward"])))
+    b0, b1 = (int(x) for x in deeper.ev(np.asarray(t.layer_bounds["backward"])))
+    depth, n = t.num_layers, deeper.num_events
+    middle = depth - 2
+    first_f, first_b = f1 - (depth - 1) * fl, b0 + (depth - 1) * bl  # layer 1's forward start, layer 0's backward start
+
+    def locate(x: int):
+        """(phase, layer, offset in its block) of an event in a layer block, else None."""
+        if first_f <= x < f1:
+            j = 1 + (x - first_f) // fl
+            return "f", j, x - first_f - (j - 1) * fl
+        if f0 <= x < first_f:
+            return "f", 0, x - f0
+        if b0 <= x < first_b:
+            j = depth - 1 - (x - b0) // bl
+            return "b", j, x - b0 - (depth - 1 - j) * bl
+        if first_b <= x < b1:
+            return "b", 0, x - first_b
+        return None
+
+    def moved(x: int) -> int:
+        """An event not tied to an inserted layer: after the middle layer's forward block, k
+        forward blocks later; after the last layer's backward block, k more backward blocks."""
+        return x if x < f1 - fl else x + k * fl if x < b0 + bl else x + k * (fl + bl)
+
+    def placed(x: int, shift: int | None) -> int:
+        """`x` in the block of the layer `shift` layers further on (None: not tied to a layer)."""
+        where = locate(x)
+        if where is None or shift is None:
+            return moved(x)
+        phase, j, off = where
+        j += shift
+        if j == where[1] == 0:
+            return moved(x)
+        if phase == "f":
+            return first_f + (j - 1) * fl + off
+        return b0 + k * fl + (num_layers - 1 - j) * bl + off
+
+    owner = t.param if t.owner is None else np.where(t.param >= 0, t.param, t.owner)
+    layer_of = np.where(owner >= 0, t.params.layer[owner.clip(0)], -1)
+    n_full = n + k * (fl + bl)
+    grown = _outside_term_growth(shallower, deeper)
+    out = []
+    for start, end, key, nbytes, stream in _items(deeper):
+        cap = deeper.terms[key[1]].cap if key[0] == "term" else 0
+        nbytes = nbytes + k * grown.get(key, 0) if not cap else min(nbytes + k * grown.get(key, 0), max(nbytes, cap))
+        if start == 0 and end >= n:  # alive through the step
+            copies = k if key[0] == "row" and layer_of[key[1]] == middle else 0
+            out += [(0, n_full, key if c == 0 else (key, c), nbytes, stream) for c in range(copies + 1)]
+            continue
+        where = locate(start)
+        anchor = where[1] if where else None
+        if anchor == middle:  # the middle layer's storage, and one per inserted layer
+            out += [(placed(start, c), placed(end, c), key if c == 0 else (key, c), nbytes, stream)
+                    for c in range(k + 1)]
+        elif anchor is not None:  # the last layer moves k layers on; earlier ones stay
+            shift = k if anchor == depth - 1 else 0
+            out.append((placed(start, shift), placed(end, shift), key, nbytes, stream))
+        else:
+            span = (moved(start), moved(end))
+            copies = k if key[0] == "row" and layer_of[key[1]] == middle else 0
+            out += [(*span, key if c == 0 else (key, c), nbytes, stream) for c in range(copies + 1)]
+    return out, n_full
+
+
+def _outside_term_growth(shallower: Layout, deeper: Layout) -> dict:
+    """{("term", j): bytes one more layer adds} for the deeper layout's framework storages outside
+    the decoder layers' forward and backward blocks (flat parameter and gradient buffers, master
+    weights and optimizer states, buckets, step temporaries: sized by the whole model), each
+    matched to the shallower layout's storage of the same name and rank among those of that
+    name; names whose count differs between the depths are left as they are. A bucketed
+    reduction (`Term.cap`) grows to its bucket at most: a step that the trace's depth flushes once
+    after backward flushes at the real depth in several buckets during backward, which the rebuilt
+    step does not hold (ZeRO-3 with `reduce_bucket_size` below the model's gradients)."""
+    def outside(lay: Layout) -> dict:
+        t = lay.trace
+        regions = [tuple(int(x) for x in lay.ev(np.asarray(t.layer_bounds[ph]))) for ph in ("forward", "backward")]
+        by_name: dict = {}
+        for j, term in enumerate(lay.terms):
+            if not term.host and not any(a <= term.start < b for a, b in regions):
+                by_name.setdefault(term.name, []).append((j, term.nbytes))
+        return by_name
+    a, b = outside(shallower), outside(deeper)
+    return {("term", j): nb - old for name, terms in b.items() if len(a.get(name, ())) == len(terms)
+            for (j, nb), (_, old) in zip(terms, a[name])}
+
+
+def allocation_events(layout: Layout, sm_arch: int, items: list[tuple] | None = None,
+                      num_events: int | None = None) -> list[tuple]:
+    """(time, op, key, nbytes, stream) for the device storages of a layout (or `items` on a
+    timeline of `num_events`, `full_depth_items`), steady state: persistent storages (alive from
+    the first to the last event) are allocated once, before everything else, with the cuBLAS
+    workspaces; the rest of the step is replayed twice, so the second step reuses the first
+    step's segments as the real second step does. Storages left alive at the end of the first
+    replay are freed before the second. At one time, frees come before allocations."""
+    n = layout.num_events if num_events is None else num_events
+    items = _items(layout) if items is None else items
     events = [(-1, 1, ("cublas", j), b, 0) for j, b in enumerate(cublas_workspace_allocations(sm_arch))]
     persistent = [it for it in items if it[0] == 0 and it[1] >= n]
     events += [(-1, 1, key, nbytes, stream) for _, _, key, nbytes, stream in persistent]
@@ -42,33 +181,48 @@ def allocation_events(layout: Layout, sm_arch: int) -> list[tuple]:
 
 
 def peak_reserved_bytes(deeper: Layout, sm_arch: int, peak_allocated_bytes: int,
-                        expandable_segments: bool = False, memo: "ReplayMemo | None" = None) -> int:
+                        expandable_segments: bool = False, memo: "ReplayMemo | None" = None,
+                        shallower: Layout | None = None, num_layers: int | None = None) -> int:
     """Peak reserved of the full-depth step: its peak allocated (`peak_allocated_bytes`, the
-    phase-aware estimate) plus the cache the allocator holds above its live bytes when the
-    steady-state step is replayed at the deeper traced depth (`deeper`, its layout).
+    phase-aware estimate) plus the cache the allocator holds above its live bytes
+    (`held_cache`)."""
+    return peak_allocated_bytes + held_cache(deeper, sm_arch, expandable_segments, memo, shallower, num_layers)[0]
 
-    The held cache (peak reserved - peak allocated of a replay) comes from blocks that no later
-    request could reuse, since segments are never returned: mostly those of the depth-independent
-    large tensors (embedding and LM-head outputs, the loss's logits copies, optimizer-step and
-    dequantization temporaries) that the layers' smaller blocks do not fill. A decoder layer
-    repeats the previous layer's requests, which best fit reuses, so the held cache is carried to
-    full depth as it is, not scaled. Assumption: neither the held cache's change between the two
-    traced depths (a few hundred MiB, either sign, where the two replays place blocks differently)
-    nor the replays' own peak reserved is extrapolated, because the traced depths' peak may sit in
-    another phase than the full-depth one. `expandable_segments`: the replay's allocator grows one
+
+def held_cache(deeper: Layout, sm_arch: int, expandable_segments: bool = False, memo: "ReplayMemo | None" = None,
+               shallower: Layout | None = None, num_layers: int | None = None) -> tuple[int, int]:
+    """(held, needed) of the steady-state step replayed at the real depth: the cache the allocator
+    holds above its live bytes at its peak (peak reserved - peak allocated), and the part of it
+    that an out-of-memory retry could not return (the peak of reserved minus the free segments
+    and pages `release_cached_blocks` frees, allocator.py `peak_needed`, minus peak allocated).
+
+    The replayed step is the deeper traced layout (`deeper`) rebuilt at `num_layers` layers from
+    it and the `shallower` one (`full_depth_items`), or the deeper layout itself when it cannot
+    be (no `shallower`, depths not consecutive, a model no deeper than the trace). The held cache
+    comes from blocks that no later request could reuse, since segments are only returned when
+    memory runs out: those of the depth-independent large tensors (embedding and LM-head outputs,
+    the loss's logits copies, optimizer-step and dequantization temporaries) that the layers'
+    smaller blocks do not fill, and the holes each layer's frees leave between the blocks of the
+    layers still alive, which grow with depth (Llama-3.1-8B FSDP2 at 8192 tokens with expandable
+    segments: 7.1 GiB held at 3 layers, 10.1 GiB at 32; bloom-1b1 ZeRO-3: 3.6 GiB at 3 layers,
+    6.2 GiB at 24). The replay's own peak allocated is not used, because the full-depth
+    estimate's peak is phase-aware. `expandable_segments`: the replay's allocator grows one
     segment per pool (allocator.py). `memo`: replay results kept on disk (`ReplayMemo`)."""
-    key = memo.key(deeper, sm_arch, expandable_segments) if memo is not None else None
+    full = full_depth_items(shallower, deeper, num_layers) if shallower is not None and num_layers else None
+    depth = (num_layers, layer_blocks(shallower, deeper)) if full else None
+    key = memo.key(deeper, sm_arch, expandable_segments, depth) if memo is not None else None
     held = memo.get(key) if key is not None else None
     if held is None:
-        replayed = replay(allocation_events(deeper, sm_arch), expandable_segments)
-        held = replayed.peak_reserved - replayed.peak_allocated
+        replayed = replay(allocation_events(deeper, sm_arch, *(full or ())), expandable_segments)
+        held = (replayed.peak_reserved - replayed.peak_allocated,
+                max(0, replayed.peak_needed - replayed.peak_allocated))
         if key is not None:
             memo.put(key, held)
-    return peak_allocated_bytes + held
+    return held
 
 
 _CODE = ("allocator.py", "replay.py")  # the replay's code: its text is part of every memo key
-MEMO_FORMAT = 2  # 2: terms carry their stream
+MEMO_FORMAT = 3  # 2: terms carry their stream; 3: (held, needed) at the real depth
 
 
 class ReplayMemo:
@@ -82,8 +236,8 @@ class ReplayMemo:
 
     def __init__(self, cache_dir=None):
         self.path = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / "replays.json"
-        self._values: dict[str, int] | None = None
-        self._new: dict[str, int] = {}
+        self._values: dict[str, list] | None = None
+        self._new: dict[str, list] = {}
         self._code: str | None = None
 
     _SHARED: dict = {}
@@ -94,22 +248,24 @@ class ReplayMemo:
         memo = cls(cache_dir)
         return cls._SHARED.setdefault(memo.path, memo)
 
-    def _load(self) -> dict[str, int]:
+    def _load(self) -> dict[str, list]:
         if self._values is None:
             try:
                 data = json.loads(self.path.read_text())
-                self._values = {k: v for k, v in data.items() if isinstance(v, int)} if isinstance(data, dict) else {}
+                self._values = ({k: v for k, v in data.items() if isinstance(v, list) and len(v) == 2
+                                 and all(isinstance(x, int) for x in v)} if isinstance(data, dict) else {})
             except (OSError, ValueError):
                 self._values = {}
         return self._values
 
-    def key(self, layout: Layout, sm_arch: int, expandable_segments: bool) -> str:
+    def key(self, layout: Layout, sm_arch: int, expandable_segments: bool, depth: tuple | None = None) -> str:
         if self._code is None:
             here = Path(__file__).resolve().parent
             self._code = hashlib.sha256(b"".join((here / f).read_bytes() for f in _CODE)).hexdigest()
         t, rows = layout.trace, layout.mask.nonzero()[0]
         h = hashlib.blake2b(digest_size=20)
         h.update(json.dumps([MEMO_FORMAT, self._code, int(layout.num_events), bool(expandable_segments),
+                             depth,
                              cublas_workspace_allocations(sm_arch), len(rows),
                              [(term.start, term.end, term.nbytes, term.stream)
                               for term in layout.terms if not term.host]]
@@ -118,11 +274,12 @@ class ReplayMemo:
             h.update(np.ascontiguousarray(arr, np.int64).tobytes())
         return h.hexdigest()
 
-    def get(self, key: str) -> int | None:
-        return self._load().get(key)
+    def get(self, key: str) -> tuple[int, int] | None:
+        value = self._load().get(key)
+        return None if value is None else (value[0], value[1])
 
-    def put(self, key: str, held: int) -> None:
-        self._load()[key] = self._new[key] = int(held)
+    def put(self, key: str, held: tuple[int, int]) -> None:
+        self._load()[key] = self._new[key] = [int(x) for x in held]
 
     def save(self) -> None:
         """Write the new results (merged with the file as it is now, which another plan may have

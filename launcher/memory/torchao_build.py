@@ -133,9 +133,10 @@ def build_shape(trace) -> dict:
             "head_bytes": sum(size(i) for i in rows if p.role[i] in (Role.HEAD, Role.OTHER))}
 
 
-def build_reserved_bytes(trace, num_layers: int, chunk: int, memo=None) -> int:
-    """Peak reserved bytes of building and loading the full-depth model (`build_load_events`,
-    replayed through launcher/memory/allocator.py); `memo` (launcher/memory/replay.py
+def build_reserved_bytes(trace, num_layers: int, chunk: int, memo=None) -> tuple[int, int]:
+    """(peak reserved, peak needed) bytes of building and loading the full-depth model
+    (`build_load_events`, replayed through launcher/memory/allocator.py: needed leaves out the
+    cached segments an out-of-memory retry would release); `memo` (launcher/memory/replay.py
     `ReplayMemo`): results kept on disk, keyed by the inputs and this file's and the allocator's
     source text."""
     shape = build_shape(trace)
@@ -145,7 +146,8 @@ def build_reserved_bytes(trace, num_layers: int, chunk: int, memo=None) -> int:
                           digest_size=20).hexdigest()
     value = memo.get(key) if memo is not None else None
     if value is None:
-        value = replay(build_load_events(num_layers=num_layers, chunk=chunk, **shape)).peak_reserved
+        replayed = replay(build_load_events(num_layers=num_layers, chunk=chunk, **shape))
+        value = (replayed.peak_reserved, replayed.peak_needed)
         if memo is not None:
             memo.put(key, value)
     return value
@@ -157,13 +159,14 @@ def with_build(mem, traces, chunk: int, memo=None):
     requests are served from them first. Assumption: the step needs no segment the build's cache
     cannot serve, so the run's peak reserved is the larger of the two. For unsharded builds (one
     full model per process; the planner plans torchao NF4 bases so only)."""
-    build = build_reserved_bytes(traces.depth2, traces.num_layers, chunk, memo)
+    build, build_needed = build_reserved_bytes(traces.depth2, traces.num_layers, chunk, memo)
     note = (f"torchao NF4 (torchtune's build and load): quantizing the weights on the GPU peaks at "
             f"{build / 2**30:.2f} GiB reserved (launcher/torchao_nf4.py, nearest-value search "
             + (f"in chunks of {chunk} elements)" if chunk else "over each whole weight, torchao 0.1)")
             + "; peak reserved is the larger of that and the step's.")
+    outside = mem.device_total_bytes - mem.peak_reserved_bytes
+    needed = max(mem.needed_bytes, build_needed + outside) if mem.needed_bytes else 0
     if build <= mem.peak_reserved_bytes:
-        return replace(mem, notes=tuple(mem.notes) + (note,))
-    grow = build - mem.peak_reserved_bytes
-    return replace(mem, peak_reserved_bytes=build, device_total_bytes=mem.device_total_bytes + grow,
-                   notes=tuple(mem.notes) + (note,))
+        return replace(mem, notes=tuple(mem.notes) + (note,), needed_bytes=needed)
+    return replace(mem, peak_reserved_bytes=build, device_total_bytes=build + outside,
+                   notes=tuple(mem.notes) + (note,), needed_bytes=needed)

@@ -153,3 +153,30 @@ def test_expandable_segments_grow_one_segment_per_stream():
     assert a.reserved == 80 * MiB
     events = [(0, 1, "x", 30 * MiB, 2), (1, -1, "x", 0, 2), (2, 1, "y", 30 * MiB, 0)]
     assert replay(events, expandable_segments=True).peak_reserved == 80 * MiB
+
+
+def test_a_step_needs_only_what_an_out_of_memory_retry_cannot_release():
+    """CUDACachingAllocator.cpp `release_cached_blocks` frees every cached block that is a whole
+    segment before malloc reports out of memory: a freed 30 MiB segment is cached (reserved 70 MiB
+    once a 40 MiB request gets its own segment) but not needed (40 MiB); a segment still split
+    between a live and a free block is needed whole."""
+    a = CachingAllocator()
+    a.free(a.malloc(30 * MiB))
+    a.malloc(40 * MiB)
+    assert (a.peak_reserved, a.peak_needed) == (70 * MiB, 40 * MiB)
+    b = CachingAllocator()
+    big = b.malloc(30 * MiB)
+    b.free(big)
+    b.malloc(12 * MiB)  # best fit splits the cached 30 MiB segment: 18 MiB stay free inside it
+    b.malloc(40 * MiB)
+    assert (b.peak_reserved, b.peak_needed) == (70 * MiB, 70 * MiB)
+
+
+def test_an_expandable_segment_needs_its_used_pages_only():
+    """With expandable segments `release_cached_blocks` unmaps the whole pages no block uses: 60
+    MiB mapped for three 20 MiB requests, the middle one freed, then 30 MiB more at the end."""
+    a = CachingAllocator(expandable_segments=True)
+    x = [a.malloc(20 * MiB) for _ in range(3)]
+    a.free(x[1])
+    a.malloc(30 * MiB)  # does not fit the 20 MiB hole: the segment grows by two 20 MiB pages
+    assert (a.peak_reserved, a.peak_needed) == (100 * MiB, 80 * MiB)

@@ -205,7 +205,8 @@ def zero0_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
     if z.master_bytes == e:  # no wrapper: the client optimizer steps the model's own parameters
         # (fp32; or bf16-true, whose ds_config enables no bf16 mode: states in the parameters' dtype)
         layout = Layout.of(trace, reduce_events=1, step_events=1)
-        layout.add("allreduce_flat", "buffers", largest * e, layout.reduce_ev(0), layout.reduce_ev(1))
+        layout.add("allreduce_flat", "buffers", largest * e, layout.reduce_ev(0), layout.reduce_ev(1),
+                   cap=e * max(largest, z.ds.reduce_bucket_size))
         _states(layout, z, total, len(sizes), host=False)
         layout.add("optimizer_step_temporaries", "optimizer_states",
                    e * optimizer_step_temp_numel(z.optimizer, sizes), layout.step_ev(0), layout.step_ev(1))
@@ -216,7 +217,8 @@ def zero0_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
     layout.add("flat_16bit_params", "parameters", e * total)  # __init__: fp16_groups_flat
     layout.add("fp32_master", "optimizer_states", 4 * total)  # __init__: fp32_groups_flat
     _states(layout, z, total, 1, host=False)  # initialize_optimizer_states: optimizer.step() at init
-    layout.add("allreduce_flat", "buffers", largest * e, layout.reduce_ev(0), layout.reduce_ev(1))
+    layout.add("allreduce_flat", "buffers", largest * e, layout.reduce_ev(0), layout.reduce_ev(1),
+               cap=e * max(largest, z.ds.reduce_bucket_size))
     s0, s1, s2 = layout.step_ev(0), layout.step_ev(1), layout.step_ev(2)
     # step(): [p.grad.to(fp32) ...] then _flatten_dense_tensors -> fp32 flat grad; p.grad = None
     layout.add("fp32_grad_list", "gradients", 4 * total, s0, s1)

@@ -150,18 +150,22 @@ def zero3_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
     # each flush: reduce_scatter_coalesced concatenates the padded partitions (torch.cat)
     for event, padded in flush_events(trace, z.ds.reduce_bucket_size, dp):
         at = layout.reduce_ev(0) if event is None else int(layout.ev(event))
-        layout.add("reduce_scatter_flat", "buffers", e * padded, at, at + 1, stream=RS_STREAM if z.overlap_comm else 0)
+        layout.add("reduce_scatter_flat", "buffers", e * padded, at, at + 1, stream=RS_STREAM if z.overlap_comm else 0,
+                   cap=e * max(padded, z.ds.reduce_bucket_size))
     s0, s1, s2 = layout.step_ev(0), layout.step_ev(1), layout.step_ev(2)
     largest = max(groups) if groups else 0
+    # a deeper model has more sub-groups, each about `sub_group_size` (the terms' `cap`)
+    bound = max(largest, z.ds.sub_group_size)
     if off_opt:
         layout.add("optimizer_step_temporaries", "optimizer_states",
                    m * optimizer_step_temp_numel(z.optimizer, [largest]), s0, s2, host=True)
         return layout
     # _prepare_fp32_grad_for_sub_group: flatten(averaged_gradients).to(fp32), one sub-group at a time
-    layout.add("flat_grad_sub_group", "gradients", e * largest, s0, s1)
-    layout.add("fp32_grad_sub_group", "gradients", m * largest, s0, s2)
+    layout.add("flat_grad_sub_group", "gradients", e * largest, s0, s1, cap=e * bound)
+    layout.add("fp32_grad_sub_group", "gradients", m * largest, s0, s2, cap=m * bound)
     layout.add("optimizer_step_temporaries", "optimizer_states",
-               m * optimizer_step_temp_numel(z.optimizer, [largest]), s1, s2)
+               m * optimizer_step_temp_numel(z.optimizer, [largest]), s1, s2,
+               cap=m * optimizer_step_temp_numel(z.optimizer, [bound]))
     return layout
 
 

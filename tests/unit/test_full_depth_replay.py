@@ -1,0 +1,78 @@
+"""The allocator replay at the real depth (launcher/memory/replay.py `full_depth_items`): a step
+rebuilt from the traces at 2 and 3 layers must replay like the step traced at the real depth,
+block for block, for every framework layout whose storages repeat per layer."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from launcher import trace as tr  # noqa: E402
+from launcher.backends.registry import knobs  # noqa: E402
+from launcher.config import DeepSpeedConfig  # noqa: E402
+from launcher.memory.allocator import replay  # noqa: E402
+from launcher.memory.estimate import layout_set, trace_request  # noqa: E402
+from launcher.memory.replay import _items, allocation_events, full_depth_items, layer_blocks  # noqa: E402
+from launcher.steptrace import TraceSet  # noqa: E402
+from launcher.types import Strategy, Workload  # noqa: E402
+
+DEPTH = 6
+STRATEGIES = {"single": Strategy("single", "ddp"), "ddp": Strategy("ddp", "ddp"),
+              "zero2": Strategy("zero2", "deepspeed", 2), "fsdp2": Strategy("fsdp2", "fsdp2")}
+
+
+def _traces(strategy: Strategy, checkpointing: bool) -> dict:
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=320, num_hidden_layers=2)
+    wl = Workload(2, 1, "bf16-mixed", "adamw_torch", checkpointing, "sdpa")
+    base = tr.TraceKey(tr.canonical_config_json(cfg), 2, 2, 64, gradient_checkpointing=checkpointing,
+                       **trace_request(strategy, wl))
+    return wl, {d: tr.trace_step(dataclasses.replace(base, num_layers=d)) for d in (2, 3, DEPTH - 1, DEPTH)}
+
+
+def _layouts(t: dict, a: int, b: int, strategy: Strategy, wl: Workload):
+    # ZeRO-2 with buckets larger than the model's gradients: one flush after backward at any depth
+    ds = DeepSpeedConfig(reduce_bucket_size=10**8, allgather_bucket_size=10**8)
+    return layout_set(TraceSet(t[a], t[b], DEPTH), strategy, wl, knobs(deepspeed=ds), 2, "cuda").groups[0][1]
+
+
+@pytest.mark.parametrize("name,checkpointing", [("single", False), ("single", True), ("ddp", True),
+                                                ("zero2", False), ("fsdp2", False)])
+def test_a_step_rebuilt_at_depth_replays_like_the_step_traced_there(name, checkpointing):
+    strategy = STRATEGIES[name]
+    wl, t = _traces(strategy, checkpointing)
+    shallow, deep = _layouts(t, 2, 3, strategy, wl)
+    real = _layouts(t, DEPTH - 1, DEPTH, strategy, wl)[1]
+    items, num_events = full_depth_items(shallow, deep, DEPTH)
+    # the same storages: sizes and streams, and the same number of them (FSDP2: its backward
+    # prefetch of the middle block is issued before that block, so the rebuilt step lacks the
+    # inserted blocks' backward all-gather buffers; replay.py `full_depth_items`)
+    sizes = collections.Counter((i[3], i[4]) for i in items) - collections.Counter((i[3], i[4]) for i in _items(real))
+    assert not sizes if name != "fsdp2" else set(sizes) <= {(16384, 0)}
+    # the forward and backward blocks of one layer are what a layer adds to the trace (FSDP2's
+    # layout inserts its own events at each block's boundaries)
+    fl, bl = layer_blocks(shallow, deep)
+    per_layer = {ph: (t[3].layer_bounds[ph][1] - t[3].layer_bounds[ph][0])
+                 - (t[2].layer_bounds[ph][1] - t[2].layer_bounds[ph][0]) for ph in ("forward", "backward")}
+    if name != "fsdp2":
+        assert (fl, bl) == (per_layer["forward"], per_layer["backward"])
+    if name == "single" and not checkpointing:  # forward and backward event by event, from the start of forward
+        def steps(its, lay, shift):
+            a, b = lay.phases["forward"][0], lay.phases["backward"][1] + shift
+            return collections.Counter((i[0] - a, i[1] - a, i[3]) for i in its if a <= i[0] and i[1] <= b)
+        assert steps(items, deep, (DEPTH - 3) * (fl + bl)) == steps(_items(real), real, 0)
+    rebuilt = replay(allocation_events(deep, 80, items, num_events))
+    traced = replay(allocation_events(real, 80))
+    assert rebuilt.peak_allocated == traced.peak_allocated
+    assert rebuilt.peak_reserved == traced.peak_reserved
+
+
+def test_a_step_no_deeper_than_its_trace_is_not_rebuilt():
+    strategy = STRATEGIES["single"]
+    wl, t = _traces(strategy, False)
+    shallow, deep = _layouts(t, 2, 3, strategy, wl)
+    assert full_depth_items(shallow, deep, 3) is None
+    assert layer_blocks(deep, shallow) is None  # not one layer deeper
