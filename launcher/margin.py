@@ -2,8 +2,9 @@
 
 `scripts/validate_gpu` plans the published GPU measurements of docs/validation/ and writes the
 signed error of every reliability A/B row it can express into launcher/data/gpu_errors.json. A
-GPU candidate fits when its device total stays below the GPU's memory less a margin that covers
-the estimate's underestimates on those rows: by default their 90th percentile
+GPU candidate fits when the memory it needs (`MemoryEstimate.oom_bytes`) stays below the GPU's
+memory less a margin that covers the estimate's underestimates on those rows: by default their
+90th percentile
 (`planner.safety_margin: null`), so a plan's "fits" held for at least 9 in 10 published runs. A
 number given by the user replaces it. CPU processes keep the fixed 5%: their estimate is the
 measured peak of real runs within 0.02% (docs/accuracy.md).
@@ -48,13 +49,13 @@ def resolve(safety_margin: float | None, device: str) -> float:
     return round(quantile(errors, QUANTILE), 4) if errors else FALLBACK_MARGIN
 
 
-def confidence_note(device_total: int, capacity: int) -> str:
+def confidence_note(needed: int, capacity: int) -> str:
     """One line on how sure a GPU candidate's "fits" is: its headroom against the published
     underestimates."""
     errors = underestimates()
     if not errors or capacity <= 0:
         return ""
-    headroom = 1 - device_total / capacity
+    headroom = 1 - needed / capacity
     covered = sum(e < headroom for e in errors)
     return (f"headroom {headroom:.0%} of the GPU: {covered} of {len(errors)} published measurements "
             f"(docs/accuracy.md) were underestimated by less; the largest underestimate was {errors[-1]:.0%}")
