@@ -94,15 +94,28 @@ class CachingAllocator:
 
     def _insert(self, b: _Block) -> None:
         b.free = True
-        bisect.insort(self._free.setdefault(b.pool, []), b.key())
-        self._blocks.setdefault(b.pool, {})[b.key()] = b
-        self.releasable += max(0, self._releasable(b))
+        key = (b.size, b.seg, b.offset)
+        pool = b.pool
+        keys = self._free.get(pool)
+        if keys is None:
+            keys = self._free[pool] = []
+            self._blocks[pool] = {}
+        bisect.insort(keys, key)
+        self._blocks[pool][key] = b
+        if self.expandable:
+            self.releasable += max(0, self._releasable(b))
+        elif b.prev is None and b.next is None:
+            self.releasable += b.size
 
     def _remove(self, b: _Block) -> None:
+        key = (b.size, b.seg, b.offset)
         keys = self._free[b.pool]
-        del keys[bisect.bisect_left(keys, b.key())]
-        del self._blocks[b.pool][b.key()]
-        self.releasable -= max(0, self._releasable(b))
+        del keys[bisect.bisect_left(keys, key)]
+        del self._blocks[b.pool][key]
+        if self.expandable:
+            self.releasable -= max(0, self._releasable(b))
+        elif b.prev is None and b.next is None:
+            self.releasable -= b.size
         b.free = False
 
     def malloc(self, nbytes: int, stream: int = 0) -> _Block:
@@ -131,8 +144,10 @@ class CachingAllocator:
             block.next, block.size = rest, size
             self._insert(rest)
         self.allocated += block.size
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
-        self.peak_needed = max(self.peak_needed, self.reserved - self.releasable)
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated = self.allocated
+        if self.reserved - self.releasable > self.peak_needed:
+            self.peak_needed = self.reserved - self.releasable
         return block
 
     def _grow(self, pool: tuple, size: int) -> _Block:
