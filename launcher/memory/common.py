@@ -37,6 +37,7 @@ class Term:
     host: bool = False  # lives in host RAM when the device is a GPU (offload)
     stream: int = 0  # the CUDA stream it is allocated on (0 = the default stream; allocator.py pools)
     cap: int = 0  # a bucketed reduction's largest size (bytes) at any depth; 0: no bound (replay.py)
+    param: int = -1  # the parameter it holds a copy of (ZeRO-3's gathered parameters), else -1
 
 
 @dataclass
@@ -98,10 +99,11 @@ class Layout:
                 "optimizer": (b + self.reduce_events, t["optimizer"][1] + k)}
 
     def add(self, name: str, category: str, nbytes: int, start: int = 0, end: int | None = None,
-            host: bool = False, stream: int = 0, cap: int = 0) -> None:
+            host: bool = False, stream: int = 0, cap: int = 0, param: int = -1) -> None:
         end = self.num_events if end is None else end
         if nbytes > 0 and end > start:
-            self.terms.append(Term(name, category, int(nbytes), int(start), int(end), host, stream, int(cap)))
+            self.terms.append(Term(name, category, int(nbytes), int(start), int(end), host, stream, int(cap),
+                                   int(param)))
 
     def drop(self, kind: Kind) -> None:
         """Remove the traced rows of one kind (the framework replaces those storages)."""

@@ -21,7 +21,8 @@ from launcher.types import Strategy, Workload  # noqa: E402
 
 DEPTH = 6
 STRATEGIES = {"single": Strategy("single", "ddp"), "ddp": Strategy("ddp", "ddp"),
-              "zero2": Strategy("zero2", "deepspeed", 2), "fsdp2": Strategy("fsdp2", "fsdp2")}
+              "zero2": Strategy("zero2", "deepspeed", 2), "zero3": Strategy("zero3", "deepspeed", 3),
+              "fsdp2": Strategy("fsdp2", "fsdp2")}
 
 
 def _traces(strategy: Strategy, checkpointing: bool) -> dict:
@@ -34,13 +35,14 @@ def _traces(strategy: Strategy, checkpointing: bool) -> dict:
 
 
 def _layouts(t: dict, a: int, b: int, strategy: Strategy, wl: Workload):
-    # ZeRO-2 with buckets larger than the model's gradients: one flush after backward at any depth
-    ds = DeepSpeedConfig(reduce_bucket_size=10**8, allgather_bucket_size=10**8)
+    # ZeRO-2/3 with buckets larger than the model's gradients: one flush after backward at any
+    # depth; ZeRO-3 gathers every parameter (none persistent) and keeps them to their backward
+    ds = DeepSpeedConfig(reduce_bucket_size=10**8, allgather_bucket_size=10**8, stage3_param_persistence_threshold=0)
     return layout_set(TraceSet(t[a], t[b], DEPTH), strategy, wl, knobs(deepspeed=ds), 2, "cuda").groups[0][1]
 
 
 @pytest.mark.parametrize("name,checkpointing", [("single", False), ("single", True), ("ddp", True),
-                                                ("zero2", False), ("fsdp2", False)])
+                                                ("zero2", False), ("zero3", False), ("fsdp2", False)])
 def test_a_step_rebuilt_at_depth_replays_like_the_step_traced_there(name, checkpointing):
     strategy = STRATEGIES[name]
     wl, t = _traces(strategy, checkpointing)
@@ -66,8 +68,10 @@ def test_a_step_rebuilt_at_depth_replays_like_the_step_traced_there(name, checkp
         assert steps(items, deep, (DEPTH - 3) * (fl + bl)) == steps(_items(real), real, 0)
     rebuilt = replay(allocation_events(deep, 80, items, num_events))
     traced = replay(allocation_events(real, 80))
-    assert rebuilt.peak_allocated == traced.peak_allocated
-    assert rebuilt.peak_reserved == traced.peak_reserved
+    assert (rebuilt.peak_reserved, rebuilt.peak_needed) == (traced.peak_reserved, traced.peak_needed)
+    # ZeRO-3's 16-bit model: a tensor of the second-to-last layer that the last layer frees when
+    # its forward ends is freed, in the rebuilt layers, there too instead of one layer later
+    assert rebuilt.peak_allocated == pytest.approx(traced.peak_allocated, rel=1e-3 if name == "zero3" else 0)
 
 
 def test_a_step_no_deeper_than_its_trace_is_not_rebuilt():

@@ -302,7 +302,7 @@ def gathered_param_terms(layout: Layout, trace: StepTrace, z: ZeroSetup) -> None
         if i in forward_only:  # released after its module's forward (`forward_only_params`)
             end = int(layout.ev(t.layer_bounds["embedding"][1]))
         fetched = start if whole else fetch_event(t, int(t.params.role[i]))  # whole: copied at the first wait
-        layout.add("gathered_params", "parameters", e * n, fetched, end, stream=stream)
+        layout.add("gathered_params", "parameters", e * n, fetched, end, stream=stream, param=i)
 
 
 def module_backward_events(trace: StepTrace, ready: dict) -> dict:
