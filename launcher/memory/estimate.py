@@ -133,18 +133,24 @@ def _estimate(traces: TraceSet, layouts: list, notes, gathered, extra: dict, clu
                               tuple(notes) + CPU_NOTES)
     workspace = runtime.cublas_workspace_bytes(cluster.sm_arch)
     allocated = total[phase] + workspace
-    held, needed = held_cache(layouts[-1], cluster.sm_arch, cluster.expandable_segments, replay_memo,
-                              shallower=layouts[0], num_layers=traces.num_layers)
-    reserved = allocated + held
     outside = runtime.cuda_context_bytes(cluster.cuda_context_bytes) + runtime.nccl_bytes(dp_size)
+    # a step whose live bytes alone exceed the GPU cannot fit, whatever the cache: its replay runs
+    # at the traced depth, which costs a tenth of the real depth's
+    over = allocated + outside > cluster.memory_bytes
+    held, needed = held_cache(layouts[-1], cluster.sm_arch, cluster.expandable_segments, replay_memo,
+                              shallower=None if over else layouts[0], num_layers=traces.num_layers)
+    reserved = allocated + held
     bd["runtime"] = workspace + outside
     expandable = (EXPANDABLE_NOTE,) if cluster.expandable_segments else ()
     return MemoryEstimate(allocated, reserved, reserved + outside, host, bd, phase,
-                          tuple(notes) + GPU_NOTES + expandable, needed_bytes=allocated + needed + outside)
+                          tuple(notes) + GPU_NOTES + expandable + ((OVER_NOTE,) if over else ()),
+                          needed_bytes=allocated + needed + outside)
 
 
 FLASH_NOTE = ("GPU flash attention backward: its fp32 dq accumulator and, with grouped-query attention, "
               "K/V gradients expanded to every head (flash_api.cpp mha_bwd) are added to the backward peak.")
+OVER_NOTE = ("peak allocated + CUDA context + NCCL alone exceed the GPU: the allocator cache in reserved "
+             "comes from a replay at the traced depth, not the real one.")
 EXPANDABLE_NOTE = ("PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True here and the job inherits it: "
                    "the allocator replay grows one segment per pool by 2 MiB / 20 MiB pages.")
 CPU_NOTES = (

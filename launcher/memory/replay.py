@@ -174,17 +174,22 @@ def allocation_events(layout: Layout, sm_arch: int, items: list[tuple] | None = 
     replay are freed before the second. At one time, frees come before allocations."""
     n = layout.num_events if num_events is None else num_events
     items = _items(layout) if items is None else items
-    events = [(-1, 1, ("cublas", j), b, 0) for j, b in enumerate(cublas_workspace_allocations(sm_arch))]
-    persistent = [it for it in items if it[0] == 0 and it[1] >= n]
-    events += [(-1, 1, key, nbytes, stream) for _, _, key, nbytes, stream in persistent]
-    rest = [it for it in items if not (it[0] == 0 and it[1] >= n)]
+    cublas = cublas_workspace_allocations(sm_arch)
+    events = [(-1, 1, -1 - j, b, 0) for j, b in enumerate(cublas)]  # keys: -1.. cuBLAS, then item numbers
+    if not items:
+        return events
+    start, end, nbytes, stream = (np.array([it[f] for it in items], np.int64) for f in (0, 1, 3, 4))
+    persistent = (start == 0) & (end >= n)
+    events += [(-1, 1, int(i), int(nbytes[i]), int(stream[i])) for i in np.nonzero(persistent)[0]]
+    rest = np.nonzero(~persistent)[0]
+    op = np.concatenate([np.ones(len(rest), np.int64), -np.ones(len(rest), np.int64)])
+    at = np.concatenate([start[rest], np.minimum(end[rest], n)])
+    order = np.lexsort((op, at))  # by time, frees first; stable: item order among equals
+    size, st = np.concatenate([nbytes[rest]] * 2)[order].tolist(), np.concatenate([stream[rest]] * 2)[order].tolist()
+    ops, times = op[order].tolist(), at[order]
     for rep in range(2):
-        step = []
-        for start, end, key, nbytes, stream in rest:
-            step.append((start, 1, (rep, key), nbytes, stream))
-            step.append((min(end, n), -1, (rep, key), nbytes, stream))
-        step.sort(key=lambda e: (e[0], e[1]))
-        events += [(e[0] + rep * (n + 1), *e[1:]) for e in step]
+        keys = (np.concatenate([rest, rest])[order] + (rep + 1) * len(items)).tolist()
+        events += list(zip((times + rep * (n + 1)).tolist(), ops, keys, size, st))
     return events
 
 
