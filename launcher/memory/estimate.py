@@ -15,9 +15,11 @@ estimate is the largest phase. The curve is the steady state from the second ste
 lazily in the first step, are live during every later forward and backward.
 
 Devices. cuda: allocations round to 512 B; peak reserved comes from replaying the layout's
-allocation sequence (twice, for the steady state) through a simulator of the caching allocator
-(allocator.py); cuBLAS workspaces are added to allocated and reserved, the CUDA context and NCCL
-buffers to the device total (runtime.py). cpu (gloo processes): peak live tensor bytes, no rounding,
+allocation sequence, rebuilt at the real depth (twice, for the steady state), through a simulator
+of the caching allocator (allocator.py, replay.py); a candidate fits on what the step needs (peak
+allocated, the part of the cache an out-of-memory retry cannot release, context and NCCL); cuBLAS
+workspaces are added to allocated and reserved, the CUDA context and NCCL buffers to the device
+total (runtime.py). cpu (gloo processes): peak live tensor bytes, no rounding,
 no runtime terms, and the offloaded host storages counted too (they are the same memory).
 
 Ranks. All ranks of a data-parallel group hold the same bytes except under ZeRO 1-2, where each

@@ -98,10 +98,10 @@ def full_depth_items(shallower: Layout, deeper: Layout, num_layers: int) -> tupl
         forward blocks later; after the last layer's backward block, k more backward blocks."""
         return x if x < f1 - fl else x + k * fl if x < b0 + bl else x + k * (fl + bl)
 
-    def placed(x: int, shift: int | None) -> int:
-        """`x` in the block of the layer `shift` layers further on (None: not tied to a layer)."""
+    def placed(x: int, shift: int) -> int:
+        """`x` in the block of the layer `shift` layers further on (`moved` outside the blocks)."""
         where = locate(x)
-        if where is None or shift is None:
+        if where is None:
             return moved(x)
         phase, j, off = where
         j += shift
@@ -222,7 +222,9 @@ def held_cache(deeper: Layout, sm_arch: int, expandable_segments: bool = False, 
     estimate's peak is phase-aware. `expandable_segments`: the replay's allocator grows one
     segment per pool (allocator.py). `memo`: replay results kept on disk (`ReplayMemo`)."""
     full = full_depth_items(shallower, deeper, num_layers) if shallower is not None and num_layers else None
-    depth = (num_layers, layer_blocks(shallower, deeper)) if full else None
+    # what the rebuild takes from the shallower layout: the layer blocks and the terms' growth
+    depth = ((num_layers, layer_blocks(shallower, deeper), sorted(_outside_term_growth(shallower, deeper).items()))
+             if full else None)
     key = memo.key(deeper, sm_arch, expandable_segments, depth) if memo is not None else None
     held = memo.get(key) if key is not None else None
     if held is None:
