@@ -29,7 +29,7 @@ def test_margin_by_device_and_user_choice():
 
 def test_confidence_note_counts_rows_the_headroom_covers():
     under = margin.underestimates()
-    note = margin.confidence_note(device_total=50, capacity=100)  # 50% headroom
+    note = margin.confidence_note(needed=50, capacity=100)  # 50% headroom
     assert f"{sum(u < 0.5 for u in under)} of {len(under)} published measurements" in note
     assert note.startswith("headroom 50% of the GPU")
 
