@@ -102,20 +102,14 @@ class CachingAllocator:
             self._blocks[pool] = {}
         bisect.insort(keys, key)
         self._blocks[pool][key] = b
-        if self.expandable:
-            self.releasable += max(0, self._releasable(b))
-        elif b.prev is None and b.next is None:
-            self.releasable += b.size
+        self.releasable += self._releasable(b)
 
     def _remove(self, b: _Block) -> None:
         key = (b.size, b.seg, b.offset)
         keys = self._free[b.pool]
         del keys[bisect.bisect_left(keys, key)]
         del self._blocks[b.pool][key]
-        if self.expandable:
-            self.releasable -= max(0, self._releasable(b))
-        elif b.prev is None and b.next is None:
-            self.releasable -= b.size
+        self.releasable -= self._releasable(b)
         b.free = False
 
     def malloc(self, nbytes: int, stream: int = 0) -> _Block:

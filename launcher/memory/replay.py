@@ -221,13 +221,14 @@ def held_cache(deeper: Layout, sm_arch: int, expandable_segments: bool = False, 
     6.2 GiB at 24). The replay's own peak allocated is not used, because the full-depth
     estimate's peak is phase-aware. `expandable_segments`: the replay's allocator grows one
     segment per pool (allocator.py). `memo`: replay results kept on disk (`ReplayMemo`)."""
-    full = full_depth_items(shallower, deeper, num_layers) if shallower is not None and num_layers else None
+    blocks = layer_blocks(shallower, deeper) if shallower is not None and num_layers else None
+    rebuild = blocks is not None and num_layers > deeper.trace.num_layers
     # what the rebuild takes from the shallower layout: the layer blocks and the terms' growth
-    depth = ((num_layers, layer_blocks(shallower, deeper), sorted(_outside_term_growth(shallower, deeper).items()))
-             if full else None)
+    depth = (num_layers, blocks, sorted(_outside_term_growth(shallower, deeper).items())) if rebuild else None
     key = memo.key(deeper, sm_arch, expandable_segments, depth) if memo is not None else None
     held = memo.get(key) if key is not None else None
-    if held is None:
+    if held is None:  # a remembered replay rebuilds nothing
+        full = full_depth_items(shallower, deeper, num_layers) if rebuild else None
         replayed = replay(allocation_events(deeper, sm_arch, *(full or ())), expandable_segments)
         held = (replayed.peak_reserved - replayed.peak_allocated,
                 max(0, replayed.peak_needed - replayed.peak_allocated))
