@@ -33,8 +33,8 @@ garbage-collection thresholds.
 """
 from __future__ import annotations
 
-import bisect
 import itertools
+from bisect import bisect_left, insort
 
 MIN_BLOCK = 512
 SMALL_SIZE = 1 << 20
@@ -64,8 +64,15 @@ class _Block:
         self.pool = pool  # (stream, small pool?)
         self.prev = self.next = None
 
-    def key(self):
-        return (self.size, self.seg, self.offset)
+
+# A free block's place in its pool's sorted free list, as one integer ordered as (size, segment,
+# offset): best fit is the first key >= `size << _SIZE_SHIFT` (the smallest block large enough, then
+# the lowest address). Offsets stay below 2**40 B and segment ids below 2**24.
+_SEG_SHIFT, _SIZE_SHIFT = 40, 64
+
+
+def _key(b: _Block) -> int:
+    return (b.size << _SIZE_SHIFT) | (b.seg << _SEG_SHIFT) | b.offset
 
 
 class CachingAllocator:
@@ -74,7 +81,7 @@ class CachingAllocator:
     def __init__(self, expandable_segments: bool = False):
         self.expandable = expandable_segments
         self._head = {}  # expandable: pool -> the first block of its segment
-        self._free = {}  # pool (stream, small) -> sorted keys of its free blocks
+        self._free = {}  # pool (stream, small) -> sorted `_key`s of its free blocks
         self._blocks = {}  # pool -> key -> free block
         self._seg_ids = itertools.count()
         self.reserved = self.allocated = 0
@@ -94,33 +101,40 @@ class CachingAllocator:
 
     def _insert(self, b: _Block) -> None:
         b.free = True
-        key = (b.size, b.seg, b.offset)
+        key = (b.size << _SIZE_SHIFT) | (b.seg << _SEG_SHIFT) | b.offset
         pool = b.pool
         keys = self._free.get(pool)
         if keys is None:
             keys = self._free[pool] = []
             self._blocks[pool] = {}
-        bisect.insort(keys, key)
+        insort(keys, key)
         self._blocks[pool][key] = b
-        self.releasable += self._releasable(b)
+        if self.expandable:
+            self.releasable += self._releasable(b)
+        elif b.prev is None and b.next is None:  # `_releasable` inline: a whole segment
+            self.releasable += b.size
 
     def _remove(self, b: _Block) -> None:
-        key = (b.size, b.seg, b.offset)
+        key = (b.size << _SIZE_SHIFT) | (b.seg << _SEG_SHIFT) | b.offset
         keys = self._free[b.pool]
-        del keys[bisect.bisect_left(keys, key)]
+        del keys[bisect_left(keys, key)]
         del self._blocks[b.pool][key]
         self.releasable -= self._releasable(b)
         b.free = False
 
     def malloc(self, nbytes: int, stream: int = 0) -> _Block:
-        size = round_size(nbytes)
+        size = MIN_BLOCK if nbytes < MIN_BLOCK else -(-nbytes // MIN_BLOCK) * MIN_BLOCK  # round_size
         small = size <= SMALL_SIZE
         pool = (stream, small)
-        keys = self._free.get(pool, [])
-        i = bisect.bisect_left(keys, (size, -1, -1))
-        if i < len(keys):
-            block = self._blocks[pool][keys[i]]
-            self._remove(block)
+        keys = self._free.get(pool)
+        i = bisect_left(keys, size << _SIZE_SHIFT) if keys else 0
+        if keys and i < len(keys):
+            block = self._blocks[pool].pop(keys.pop(i))
+            if self.expandable:
+                self.releasable -= self._releasable(block)
+            elif block.prev is None and block.next is None:
+                self.releasable -= block.size
+            block.free = False
         elif self.expandable:
             block = self._grow(pool, size)
         else:
@@ -128,7 +142,8 @@ class CachingAllocator:
             block = _Block(next(self._seg_ids), 0, seg_bytes, pool)
             block.free = False
             self.reserved += seg_bytes
-            self.peak_reserved = max(self.peak_reserved, self.reserved)
+            if self.reserved > self.peak_reserved:
+                self.peak_reserved = self.reserved
         remaining = block.size - size
         if ((small or self.expandable) and remaining >= MIN_BLOCK) or (not small and remaining > SMALL_SIZE):
             rest = _Block(block.seg, block.offset + size, remaining, pool)
@@ -195,11 +210,13 @@ def replay(events, expandable_segments: bool = False) -> CachingAllocator:
     allocates `nbytes` for `key` on `stream` (default 0), -1 frees `key` (unknown keys are
     ignored)."""
     alloc = CachingAllocator(expandable_segments)
-    live = {}
+    malloc, free, live = alloc.malloc, alloc.free, {}
+    pop = live.pop
     for e in events:
-        op, key = e[1], e[2]
-        if op > 0:
-            live[key] = alloc.malloc(e[3], e[4] if len(e) > 4 else 0)
-        elif key in live:
-            alloc.free(live.pop(key))
+        if e[1] > 0:
+            live[e[2]] = malloc(e[3], e[4] if len(e) > 4 else 0)
+        else:
+            block = pop(e[2], None)
+            if block is not None:
+                free(block)
     return alloc

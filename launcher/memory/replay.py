@@ -111,6 +111,16 @@ def full_depth_items(shallower: Layout, deeper: Layout, num_layers: int) -> tupl
             return first_f + (j - 1) * fl + off
         return b0 + k * fl + (num_layers - 1 - j) * bl + off
 
+    def series(x: int, copies: int) -> list[int]:
+        """[placed(x, c) for c in range(copies + 1)]: from c = 1 on, one block further per copy
+        (forward blocks run on, backward blocks back), or the same event outside the blocks."""
+        first = placed(x, 0)
+        if copies == 0:
+            return [first]
+        where, one = locate(x), placed(x, 1)
+        step = 0 if where is None else fl if where[0] == "f" else -bl
+        return [first] + [one + (c - 1) * step for c in range(1, copies + 1)]
+
     owner = t.param if t.owner is None else np.where(t.param >= 0, t.param, t.owner)
     term_layer = lambda j: int(t.params.layer[deeper.terms[j].param]) if deeper.terms[j].param >= 0 else -1  # noqa: E731
     layer_of = np.where(owner >= 0, t.params.layer[owner.clip(0)], -1)
@@ -127,11 +137,11 @@ def full_depth_items(shallower: Layout, deeper: Layout, num_layers: int) -> tupl
         where = locate(start)
         anchor = where[1] if where else None
         if anchor == middle:  # the middle layer's storage, and one per inserted layer
-            out += [(placed(start, c), placed(end, c), key if c == 0 else (key, c), nbytes, stream)
-                    for c in range(k + 1)]
+            out += [(a, b, key if c == 0 else (key, c), nbytes, stream)
+                    for c, (a, b) in enumerate(zip(series(start, k), series(end, k)))]
         elif key[0] == "term" and term_layer(key[1]) == middle:  # a copy of one of its parameters
-            out += [(placed(start, 0), placed(end, c), key if c == 0 else (key, c), nbytes, stream)
-                    for c in range(k + 1)]
+            a = placed(start, 0)
+            out += [(a, b, key if c == 0 else (key, c), nbytes, stream) for c, b in enumerate(series(end, k))]
         elif anchor is not None:  # the last layer moves k layers on; earlier ones stay
             shift = k if anchor == depth - 1 else 0
             out.append((placed(start, shift), placed(end, shift), key, nbytes, stream))
