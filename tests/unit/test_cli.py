@@ -66,3 +66,15 @@ def test_only_a_sweep_asks_hydra_for_its_mode():
     assert single_run(["model=gpt2", "gpus=2", "hydra.run.dir=x"])
     for sweep in (["-m", "gpus=2,4"], ["--multirun"], ["hydra.mode=MULTIRUN"], ["++hydra.mode=MULTIRUN"]):
         assert not single_run(["model=gpt2", *sweep])
+
+
+def test_a_plan_shows_no_library_notices(cli):
+    """Planning LoRA and QLoRA with checkpointing imports peft, bitsandbytes and transformers: their
+    notices about optional CPU kernels and deprecated attributes (launcher/__init__.py) say nothing
+    about the plan and stay out of the user's terminal."""
+    r = cli("model=tiny-llama", "gpus=1", "hardware=a100-80g", "peft=qlora", "training.seq_len=64",
+            "training.gradient_checkpointing=true", "mode=plan")
+    assert r.returncode == 0, r.stderr[-2000:]
+    noise = [ln for ln in (r.stderr + r.stdout).splitlines()
+             if "Warning" in ln or "kernels-community" in ln or "warnings.warn" in ln]
+    assert noise == [], noise
