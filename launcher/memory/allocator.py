@@ -67,8 +67,8 @@ class _Block:
 
 # A free block's place in its pool's sorted free list, as one integer ordered as (size, segment,
 # offset): best fit is the first key >= `size << _SIZE_SHIFT` (the smallest block large enough, then
-# the lowest address). Offsets stay below 2**40 B and segment ids below 2**24.
-_SEG_SHIFT, _SIZE_SHIFT = 40, 64
+# the lowest address). Offsets stay below 2**48 B (256 TiB) and segment ids below 2**32.
+_SEG_SHIFT, _SIZE_SHIFT = 48, 80
 
 
 def _key(b: _Block) -> int:

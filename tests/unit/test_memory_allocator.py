@@ -180,3 +180,21 @@ def test_an_expandable_segment_needs_its_used_pages_only():
     a.free(x[1])
     a.malloc(30 * MiB)  # does not fit the 20 MiB hole: the segment grows by two 20 MiB pages
     assert (a.peak_reserved, a.peak_needed) == (100 * MiB, 80 * MiB)
+
+
+def test_best_fit_ties_go_to_the_older_segment_at_any_offset():
+    """Among free blocks of one size the older segment wins, then the lower offset, however far
+    into its segment a block lies (the free list's integer keys, allocator.py `_key`)."""
+    a = CachingAllocator()
+    x, y = a.malloc(20 * MiB), a.malloc(20 * MiB)  # two 20 MiB segments
+    a.free(y)
+    a.free(x)
+    assert a.malloc(20 * MiB) is x
+    a = CachingAllocator()
+    whole = a.malloc((1 << 40) + 12 * MiB)  # segment 0: 1 TiB and 12 MiB
+    newer = a.malloc(12 * MiB)  # segment 1
+    a.free(whole)
+    a.malloc(1 << 40)  # splits segment 0: 12 MiB stay free 1 TiB into it
+    a.free(newer)
+    tail = a.malloc(12 * MiB)
+    assert (tail.seg, tail.offset) == (whole.seg, 1 << 40)
