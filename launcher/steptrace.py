@@ -96,6 +96,10 @@ class StepTrace:
     # Per row, the parameter an optimizer-step temporary was computed for (foreach AdamW's
     # per-parameter square roots), -1 for the rest (trace.py `_owners`). None in hand-built traces.
     owner: np.ndarray | None = None  # int64
+    # Per row, the decoder layer of a module buffer's storage that belongs to one (the buffers of
+    # a GPTQ base's QuantLinear: qweight, qzeros, scales, g_idx), -1 for the rest. None in
+    # hand-built traces.
+    buffer_layer: np.ndarray | None = None  # int64
 
     def live_curve(self, free: np.ndarray | None = None, mask: np.ndarray | None = None,
                    rounding: int = 1) -> np.ndarray:

@@ -692,6 +692,7 @@ def trace_step(key: TraceKey) -> StepTrace:
         params, param_rows = _param_table(model, rec)
         kind, ready, param = _classify(model, opt, rec, n, params, param_rows, grads)
         owner = _owners(rec.derived, param)
+        buffer_layer = _buffer_layers(model, rec, n)
         kind[marks["inputs"]] = Kind.BUFFER
         free = np.array(rec.free[:n], np.int64)
         nbytes = list(rec.nbytes[:n])
@@ -714,7 +715,19 @@ def trace_step(key: TraceKey) -> StepTrace:
                      free=_canonical_free_order(free, num_events, cuts), kind=kind, ready=ready,
                      param=param, num_events=num_events, phases=phases, flops=marks["flops"],
                      layer_bounds=bounds, itemsize=np.array(rec.itemsize[:n], np.int8),
-                     op_class=np.array(rec.op_class[:n], np.int8), owner=owner)
+                     op_class=np.array(rec.op_class[:n], np.int8), owner=owner, buffer_layer=buffer_layer)
+
+
+def _buffer_layers(model, rec: _Recorder, n: int) -> np.ndarray:
+    """Per row, the decoder layer whose module registered the buffer that row stores (the first
+    `.N.` of the buffer's name, as for parameters), -1 for the rest."""
+    out = np.full(n, -1, np.int64)
+    for name, b in model.named_buffers():
+        m = _LAYER_RE.search(name)
+        row = rec.row_of.get(id(b.untyped_storage()), -1)
+        if m and 0 <= row < n:
+            out[row] = int(m.group(1))
+    return out
 
 
 def _owners(derived: dict[int, int], param: np.ndarray) -> np.ndarray:
@@ -773,7 +786,8 @@ def at_micro_batch(ta: StepTrace, tb: StepTrace, micro_batch_size: int) -> StepT
             and ta.layer_bounds == tb.layer_bounds
             and len(ta.nbytes) == len(tb.nbytes) and all(
                 np.array_equal(getattr(ta, f), getattr(tb, f))
-                for f in ("alloc", "free", "kind", "ready", "param", "itemsize", "op_class", "owner")))
+                for f in ("alloc", "free", "kind", "ready", "param", "itemsize", "op_class", "owner",
+                          "buffer_layer")))
     if not same or tb.micro_batch_size != ta.micro_batch_size + 1:
         raise ValueError("the two traces differ in their events or are not at m and m+1")
     k = micro_batch_size - ta.micro_batch_size
@@ -784,9 +798,10 @@ def at_micro_batch(ta: StepTrace, tb: StepTrace, micro_batch_size: int) -> StepT
 
 # ----------------------------------------------------------------------------- cache
 
-_FORMAT_VERSION = 11  # the tracer's version: bump when the trace's content or file layout changes
+_FORMAT_VERSION = 12  # the tracer's version: bump when the trace's content or file layout changes
 _MEMO: dict[str, StepTrace] = {}
-_ROW_FIELDS = ("nbytes", "alloc", "free", "kind", "ready", "param", "itemsize", "op_class", "owner")
+_ROW_FIELDS = ("nbytes", "alloc", "free", "kind", "ready", "param", "itemsize", "op_class", "owner",
+               "buffer_layer")
 _PARAM_FIELDS = ("numel", "element_size", "trainable", "role", "layer", "tied_to")
 
 

@@ -47,7 +47,7 @@ from launcher.types import Cluster, MemoryEstimate, Strategy, Workload
 
 from launcher.memory import runtime
 from launcher.memory.common import PHASES, extrapolate_layouts, extrapolate_peaks, host_bytes, phase_peaks
-from launcher.memory.replay import held_cache
+from launcher.memory.replay import full_depth_peaks, held_cache
 
 
 def trace_request(strategy: Strategy, workload: Workload) -> dict:
@@ -105,7 +105,8 @@ def _phase_totals(traces: TraceSet, layouts: list, gathered, extra: dict, cluste
     cuda = cluster.device == "cuda"
     rounding = runtime.allocator_rounding_bytes(cluster.device)
     peaks = [phase_peaks(lay, rounding, with_host=not cuda) for lay in layouts]
-    ext = extrapolate_peaks(layouts, peaks, traces.num_layers)
+    ext = (full_depth_peaks(layouts[0], layouts[-1], traces.num_layers, rounding)
+           or extrapolate_peaks(layouts, peaks, traces.num_layers))
     total, breakdown = dict(ext.total), {ph: dict(b) for ph, b in ext.breakdown.items()}
     gathered_bytes = gathered[0] if gathered else 0
     for ph in ("forward", "backward"):

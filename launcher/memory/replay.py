@@ -12,15 +12,20 @@ import numpy as np
 
 from launcher.environment import DEFAULT_CACHE_DIR
 from .allocator import replay
-from .common import Layout
+from .common import CATEGORIES, KIND_CATEGORY, Layout, PhasePeaks
+from launcher.steptrace import Kind
 from .runtime import cublas_workspace_allocations
 
 
 def _items(layout: Layout) -> list[tuple]:
-    """(alloc event, free event, key, bytes, stream) of every device storage of a layout."""
+    """(alloc event, free event, key, bytes, stream) of every device storage of a layout, but the
+    traced rows freed before the forward starts: temporaries of the model's construction (a GPTQ
+    stand-in's dropped 16-bit weights, trace.py `gptq_stand_in`) that a run loading its checkpoint
+    never has on the device."""
     t = layout.trace
-    items = [(int(layout.alloc[r]), int(layout.free[r]), ("row", int(r)), int(t.nbytes[r]), 0)
-             for r in layout.mask.nonzero()[0]]
+    built = layout.phases["forward"][0]
+    rows = (layout.mask & ~(layout.free <= built)).nonzero()[0]
+    items = [(int(layout.alloc[r]), int(layout.free[r]), ("row", int(r)), int(t.nbytes[r]), 0) for r in rows]
     return items + [(term.start, term.end, ("term", j), term.nbytes, term.stream)
                     for j, term in enumerate(layout.terms) if not term.host]
 
@@ -60,10 +65,14 @@ def full_depth_items(shallower: Layout, deeper: Layout, num_layers: int) -> tupl
     c backward blocks earlier than where that layer's backward block now starts. A storage of one
     of that layer's parameters allocated elsewhere (the parameter itself when the model is built,
     its optimizer states, the optimizer step's temporaries computed for it: `StepTrace.owner`; a
-    framework's copy of it, `Term.param`, released in the inserted layer's block) is repeated where
+    framework's copy of it, `Term.param`, released in the inserted layer's block) or of one of its
+    modules' buffers (a GPTQ base's packed weights: `StepTrace.buffer_layer`) is repeated where
     it is. None when `layer_blocks` is None or the model is no deeper than the
-    trace. A framework storage outside the layers' blocks that one more layer makes larger
-    (`_outside_term_growth`) grows by k times that. Not exact: a tensor of the second-to-last
+    trace. A framework storage that both depths hold as many of is one storage of the whole
+    model wherever it is allocated (`_term_growth`): it is not repeated, and grows by k times what
+    one more layer adds to it; those alive through the whole step are matched by name, or summed per
+    category when their number grows with the model (`_persistent_growth`). A storage of the middle layer freed as the last layer returns is
+    freed as the next layer returns, in every copy. Not exact: a tensor of the second-to-last
     layer that the last layer frees only when its forward ends (a 16-bit model under ZeRO) is
     freed there in every inserted layer too, instead of one layer later (tests/unit/
     test_full_depth_replay.py: the same peak reserved, peak allocated 0.02% higher)."""
@@ -76,6 +85,7 @@ def full_depth_items(shallower: Layout, deeper: Layout, num_layers: int) -> tupl
     f0, f1 = (int(x) for x in deeper.ev(np.asarray(t.layer_bounds["forward"])))
     b0, b1 = (int(x) for x in deeper.ev(np.asarray(t.layer_bounds["backward"])))
     depth, n = t.num_layers, deeper.num_events
+    moved = _mover(deeper, blocks, k)
     middle = depth - 2
     first_f, first_b = f1 - (depth - 1) * fl, b0 + (depth - 1) * bl  # layer 1's forward start, layer 0's backward start
 
@@ -92,11 +102,6 @@ def full_depth_items(shallower: Layout, deeper: Layout, num_layers: int) -> tupl
         if first_b <= x < b1:
             return "b", 0, x - first_b
         return None
-
-    def moved(x: int) -> int:
-        """An event not tied to an inserted layer: after the middle layer's forward block, k
-        forward blocks later; after the last layer's backward block, k more backward blocks."""
-        return x if x < f1 - fl else x + k * fl if x < b0 + bl else x + k * (fl + bl)
 
     def placed(x: int, shift: int) -> int:
         """`x` in the block of the layer `shift` layers further on (`moved` outside the blocks)."""
@@ -123,9 +128,11 @@ def full_depth_items(shallower: Layout, deeper: Layout, num_layers: int) -> tupl
 
     owner = t.param if t.owner is None else np.where(t.param >= 0, t.param, t.owner)
     term_layer = lambda j: int(t.params.layer[deeper.terms[j].param]) if deeper.terms[j].param >= 0 else -1  # noqa: E731
-    layer_of = np.where(owner >= 0, t.params.layer[owner.clip(0)], -1)
+    buffer_layer = t.buffer_layer if t.buffer_layer is not None else np.full(len(owner), -1)
+    layer_of = np.where(owner >= 0, t.params.layer[owner.clip(0)], buffer_layer)
     n_full = n + k * (fl + bl)
-    grown = _outside_term_growth(shallower, deeper)
+    matched, summed = _persistent_growth(shallower, deeper)
+    grown = {**_term_growth(shallower, deeper), **matched}
     out = []
     for start, end, key, nbytes, stream in _items(deeper):
         cap = deeper.terms[key[1]].cap if key[0] == "term" else 0
@@ -136,9 +143,13 @@ def full_depth_items(shallower: Layout, deeper: Layout, num_layers: int) -> tupl
             continue
         where = locate(start)
         anchor = where[1] if where else None
-        if anchor == middle:  # the middle layer's storage, and one per inserted layer
+        if anchor == middle and key not in grown:  # the middle layer's storage, and one per inserted layer
+            # freed as the last layer returns (the end of the forward's layers): as the next layer
+            # returns, one forward block on per copy (bloom's attention probabilities under
+            # checkpointing live until the next layer's forward ends)
+            ends = [f1 + c * fl for c in range(k + 1)] if end == f1 else series(end, k)
             out += [(a, b, key if c == 0 else (key, c), nbytes, stream)
-                    for c, (a, b) in enumerate(zip(series(start, k), series(end, k)))]
+                    for c, (a, b) in enumerate(zip(series(start, k), ends))]
         elif key[0] == "term" and term_layer(key[1]) == middle:  # a copy of one of its parameters
             a = placed(start, 0)
             out += [(a, b, key if c == 0 else (key, c), nbytes, stream) for c, b in enumerate(series(end, k))]
@@ -149,27 +160,110 @@ def full_depth_items(shallower: Layout, deeper: Layout, num_layers: int) -> tupl
             span = (moved(start), moved(end))
             copies = k if key[0] == "row" and layer_of[key[1]] == middle else 0
             out += [(*span, key if c == 0 else (key, c), nbytes, stream) for c in range(copies + 1)]
+    out += [(0, n_full, ("grown", cat, stream), k * nb, stream) for (cat, stream), nb in summed.items()]
     return out, n_full
 
 
-def _outside_term_growth(shallower: Layout, deeper: Layout) -> dict:
-    """{("term", j): bytes one more layer adds} for the deeper layout's framework storages outside
-    the decoder layers' forward and backward blocks (flat parameter and gradient buffers, master
-    weights and optimizer states, buckets, step temporaries: sized by the whole model), each
-    matched to the shallower layout's storage of the same name and rank among those of that
-    name; names whose count differs between the depths are left as they are. A bucketed
-    reduction (`Term.cap`) grows to its bucket at most: a step that the trace's depth flushes once
-    after backward flushes at the real depth in several buckets during backward, which the rebuilt
-    step does not hold (ZeRO-3 with `reduce_bucket_size` below the model's gradients)."""
-    def outside(lay: Layout) -> dict:
-        t = lay.trace
-        regions = [tuple(int(x) for x in lay.ev(np.asarray(t.layer_bounds[ph]))) for ph in ("forward", "backward")]
+def _mover(deeper: Layout, blocks: tuple[int, int], k: int):
+    """Where an event of the deeper layout that is not tied to an inserted layer lands in the step
+    with k more layers: after the middle layer's forward block, k forward blocks later; after the
+    last layer's backward block, k more backward blocks later."""
+    fl, bl = blocks
+    f1 = int(deeper.ev(np.asarray(deeper.trace.layer_bounds["forward"]))[1])
+    b0 = int(deeper.ev(np.asarray(deeper.trace.layer_bounds["backward"]))[0])
+
+    def moved(x: int) -> int:
+        return x if x < f1 - fl else x + k * fl if x < b0 + bl else x + k * (fl + bl)
+    return moved
+
+
+def full_depth_peaks(shallower: Layout, deeper: Layout, num_layers: int, rounding: int = 1) -> PhasePeaks | None:
+    """Each phase's peak of live device bytes and its breakdown in the step rebuilt at
+    `num_layers` layers (`full_depth_items`), each storage rounded up to `rounding`; the phases'
+    bounds move as the events outside the layers do. Unlike a linear extrapolation of the two
+    traced depths' peaks, it does not take for a per-layer increment what differs between 2 and 3
+    layers only at the model's ends (FSDP2 full fine-tuning of Llama-2-7B: the first block's
+    backward, which has no earlier block to prefetch, is the 2-layer step's peak, so the
+    extrapolated backward peak grew by a reduce-scatter buffer per layer: 23.1 GiB against 15.7 at
+    32 layers). None when the step cannot be rebuilt, or when the layout keeps storages in host
+    memory (their rebuild is not modelled)."""
+    if any(term.host for lay in (shallower, deeper) for term in lay.terms):
+        return None
+    full = full_depth_items(shallower, deeper, num_layers)
+    if full is None:
+        return None
+    items, n = full
+    t = deeper.trace
+    start, end, nbytes = (np.array([it[f] for it in items], np.int64) for f in (0, 1, 3))
+    nbytes = -(-nbytes // rounding) * rounding if rounding > 1 else nbytes
+    base = [it[2] if it[2][0] in ("row", "term", "grown") else it[2][0] for it in items]  # a copy: (key, c)
+    category = [KIND_CATEGORY[Kind(int(t.kind[key[1]]))] if key[0] == "row" else
+                key[1] if key[0] == "grown" else deeper.terms[key[1]].category for key in base]
+    curves = {}
+    for cat in CATEGORIES:
+        sel = np.array([c == cat for c in category], bool)
+        delta = np.zeros(n + 1, np.int64)
+        np.add.at(delta, np.minimum(start[sel], n), nbytes[sel])
+        np.add.at(delta, np.minimum(end[sel], n), -nbytes[sel])
+        curves[cat] = np.cumsum(delta)[:n]
+    total_curve = sum(curves.values())
+    moved = _mover(deeper, layer_blocks(shallower, deeper), num_layers - t.num_layers)
+    total, breakdown = {}, {}
+    for ph, (a, b) in deeper.phases.items():
+        a, b = moved(a), moved(b) if b < deeper.num_events else n
+        i = a + int(np.argmax(total_curve[a:b])) if b > a else a
+        total[ph] = int(total_curve[i]) if b > a else 0
+        breakdown[ph] = {c: int(curves[c][i]) if b > a else 0 for c in CATEGORIES}
+    return PhasePeaks(total, breakdown)
+
+
+def _persistent(lay: Layout, term) -> bool:
+    return term.start == 0 and term.end >= lay.num_events
+
+
+def _persistent_growth(shallower: Layout, deeper: Layout) -> tuple[dict, dict]:
+    """What one more layer adds to the framework storages alive through the whole step (flat
+    buffers, master weights, a DDP reducer's buckets): ({("term", j): bytes}, {}) matched by name
+    and rank when both depths hold the same names as often; else ({}, {(category, stream): bytes})
+    summed per category (a DDP reducer has more buckets at a greater depth: the rebuilt step holds
+    k times the growth in one more storage of the category, its bucket boundaries not rebuilt)."""
+    def terms(lay: Layout) -> list:
+        return [(j, term) for j, term in enumerate(lay.terms) if not term.host and _persistent(lay, term)]
+    a, b = terms(shallower), terms(deeper)
+    if sorted(term.name for _, term in a) == sorted(term.name for _, term in b):
         by_name: dict = {}
+        for _, term in a:
+            by_name.setdefault(term.name, []).append(term.nbytes)
+        seen: dict = {}
+        matched = {}
+        for j, term in b:
+            r = seen[term.name] = seen.get(term.name, -1) + 1
+            matched[("term", j)] = term.nbytes - by_name[term.name][r]
+        return matched, {}
+    totals = [{}, {}]
+    for out, ts in zip(totals, (a, b)):
+        for _, term in ts:
+            out[(term.category, term.stream)] = out.get((term.category, term.stream), 0) + term.nbytes
+    return {}, {k: totals[1][k] - totals[0].get(k, 0) for k in sorted(totals[1]) if totals[1][k] > totals[0].get(k, 0)}
+
+
+def _term_growth(shallower: Layout, deeper: Layout) -> dict:
+    """{("term", j): bytes one more layer adds} for the deeper layout's framework storages that
+    both depths hold as many of (flat parameter and gradient buffers, master weights and optimizer
+    states, buckets, a ZeRO gradient partition first allocated inside a layer's backward, step
+    temporaries: one storage sized by the whole model), each matched to the shallower layout's
+    storage of the same name and rank among those of that name; names whose count differs between
+    the depths (one storage per layer) are not in it. A bucketed reduction (`Term.cap`) grows to
+    its bucket at most: a step that the trace's depth flushes once after backward flushes at the
+    real depth in several buckets during backward, which the rebuilt step does not hold (ZeRO-3
+    with `reduce_bucket_size` below the model's gradients)."""
+    def by_name(lay: Layout) -> dict:
+        out: dict = {}
         for j, term in enumerate(lay.terms):
-            if not term.host and not any(a <= term.start < b for a, b in regions):
-                by_name.setdefault(term.name, []).append((j, term.nbytes))
-        return by_name
-    a, b = outside(shallower), outside(deeper)
+            if not term.host and not _persistent(lay, term):
+                out.setdefault(term.name, []).append((j, term.nbytes))
+        return out
+    a, b = by_name(shallower), by_name(deeper)
     return {("term", j): nb - old for name, terms in b.items() if len(a.get(name, ())) == len(terms)
             for (j, nb), (_, old) in zip(terms, a[name])}
 
@@ -234,7 +328,8 @@ def held_cache(deeper: Layout, sm_arch: int, expandable_segments: bool = False, 
     blocks = layer_blocks(shallower, deeper) if shallower is not None and num_layers else None
     rebuild = blocks is not None and num_layers > deeper.trace.num_layers
     # what the rebuild takes from the shallower layout: the layer blocks and the terms' growth
-    depth = (num_layers, blocks, sorted(_outside_term_growth(shallower, deeper).items())) if rebuild else None
+    depth = (num_layers, blocks, sorted(_term_growth(shallower, deeper).items()),
+             [sorted(g.items()) for g in _persistent_growth(shallower, deeper)]) if rebuild else None
     key = memo.key(deeper, sm_arch, expandable_segments, depth) if memo is not None else None
     held = memo.get(key) if key is not None else None
     if held is None:  # a remembered replay rebuilds nothing

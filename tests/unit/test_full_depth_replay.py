@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from launcher import trace as tr  # noqa: E402
 from launcher.backends.registry import knobs  # noqa: E402
-from launcher.config import DeepSpeedConfig  # noqa: E402
+from launcher.config import DDPConfig, DeepSpeedConfig  # noqa: E402
 from launcher.memory.allocator import replay  # noqa: E402
 from launcher.memory.estimate import layout_set, trace_request  # noqa: E402
 from launcher.memory.replay import _items, allocation_events, full_depth_items, layer_blocks  # noqa: E402
@@ -80,3 +80,53 @@ def test_a_step_no_deeper_than_its_trace_is_not_rebuilt():
     shallow, deep = _layouts(t, 2, 3, strategy, wl)
     assert full_depth_items(shallow, deep, 3) is None
     assert layer_blocks(deep, shallow) is None  # not one layer deeper
+
+
+def test_buckets_that_grow_in_number_with_depth_keep_their_total():
+    """A DDP reducer with buckets smaller than a layer's gradients has more buckets at a greater
+    depth, each its own storage alive through the step: the rebuilt step holds their total at the
+    real depth (replay.py `_persistent_growth`), and neither loses nor doubles one bucket by
+    matching buckets of one index across depths (the embedding's bucket is the last index at 2
+    layers, a layer's at 3)."""
+    strategy = STRATEGIES["ddp"]
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=320, num_hidden_layers=2)
+    wl = Workload(2, 1, "bf16-mixed", "adamw_torch", False, "sdpa")
+    base = tr.TraceKey(tr.canonical_config_json(cfg), 2, 1, 16, **trace_request(strategy, wl))
+    t = {d: tr.trace_step(dataclasses.replace(base, num_layers=d)) for d in (2, 3, DEPTH - 1, DEPTH)}
+    small = knobs(ddp=DDPConfig(bucket_cap_mb=0.5))  # after torch's 1 MiB first bucket, 2.4 MB of gradients a layer
+
+    def lays(a, b):
+        return layout_set(TraceSet(t[a], t[b], DEPTH), strategy, wl, small, 2, "cuda").groups[0][1]
+
+    shallow, deep = lays(2, 3)
+    real = lays(DEPTH - 1, DEPTH)[1]
+    assert len(real.terms) > len(deep.terms) > len(shallow.terms)  # more buckets at every depth
+    items, n = full_depth_items(shallow, deep, DEPTH)
+    whole = sum(i[3] for i in items if i[0] == 0 and i[1] >= n and i[2][0] in ("term", "grown"))
+    assert whole == sum(term.nbytes for term in real.terms if term.start == 0 and term.end >= real.num_events)
+    assert all(i[3] > 0 for i in items)
+
+
+def test_a_gptq_base_is_rebuilt_with_every_layer_s_packed_weights():
+    """A GPTQ base keeps its packed weights in module buffers (qweight, qzeros, scales, g_idx), not
+    parameters: the rebuilt step repeats the middle layer's (`StepTrace.buffer_layer`), and the
+    16-bit weights the stand-in drops while the model is built are not replayed on the device
+    (replay.py `_items`): the rebuilt step replays as the step traced at the real depth."""
+    strategy = STRATEGIES["single"]
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=320, num_hidden_layers=2)
+    wl = Workload(16, 1, "16-mixed", "adamw_torch", True, "sdpa")
+    request = {**trace_request(strategy, wl), "param_dtype": "float16"}  # GPTQ computes in fp16
+    base = tr.TraceKey(tr.canonical_config_json(cfg), 2, 1, 16, gradient_checkpointing=True, trainable="lora",
+                       lora_r=8, lora_alpha=16, quant_type="gptq_int4", gptq_group_size=128, **request)
+    t = {d: tr.trace_step(dataclasses.replace(base, num_layers=d)) for d in (2, 3, DEPTH - 1, DEPTH)}
+    assert (t[3].buffer_layer >= 0).sum() > (t[2].buffer_layer >= 0).sum() > 0
+    shallow, deep = _layouts(t, 2, 3, strategy, wl)
+    real = _layouts(t, DEPTH - 1, DEPTH, strategy, wl)[1]
+    items, num_events = full_depth_items(shallow, deep, DEPTH)
+    rebuilt = replay(allocation_events(deep, 80, items, num_events))
+    traced = replay(allocation_events(real, 80))
+    assert rebuilt.peak_reserved == traced.peak_reserved
+    # seven 32-byte storages a layer that belong to no parameter or buffer are not repeated
+    assert rebuilt.peak_allocated == pytest.approx(traced.peak_allocated, rel=1e-3)
