@@ -6,12 +6,14 @@ strategy, each depth's trace becomes a `Layout`: the rows the framework keeps (w
 changed the way it changes them, e.g. gradients copied into buckets and freed when ready), plus
 the storages the framework allocates itself (flat parameter buffers, master weights, optimizer
 states, reduction buckets, gradient partitions, step temporaries), each citing the code that
-allocates it (ddp.py, deepspeed.py, zero3.py). The live-bytes curve of the layout is maximised per
-phase (forward, backward incl. the post-backward reduction, optimizer step) and per segment of a
-phase (cut where the decoder layers start and end, `Layout.segments`); each segment maximum is
-extrapolated linearly to the real depth from the two traced depths and the largest is the phase's
-peak (`TraceSet.phase_max` rule: the maximum can move between segments as depth grows); the
-estimate is the largest phase. The curve is the steady state from the second step on: optimizer states, created
+allocates it (ddp.py, deepspeed.py, zero3.py). The step is rebuilt at the real depth from the two
+depths' layouts (replay.py `full_depth_items`: the middle layer repeated, whole-model storages
+grown) and its live-bytes curve is maximised per phase (forward, backward incl. the post-backward
+reduction, optimizer step: `full_depth_peaks`). Where the layers cannot be told apart (no layer
+bounds, depths 1 and 2) or storages live on the host, each phase is cut where the decoder layers
+start and end (`Layout.segments`), each segment's maximum is extrapolated linearly to the real
+depth and the largest is the phase's peak (`extrapolate_peaks`). The estimate is the largest
+phase. The curve is the steady state from the second step on: optimizer states, created
 lazily in the first step, are live during every later forward and backward.
 
 Devices. cuda: allocations round to 512 B; peak reserved comes from replaying the layout's

@@ -1,6 +1,7 @@
-"""Peak reserved bytes of a strategy layout: its allocation sequence replayed through the caching
-allocator simulator (allocator.py), in steady state, at the two traced depths; the cache it holds
-above the live bytes is carried to full depth (`peak_reserved_bytes`)."""
+"""The step at the model's real depth, rebuilt from the layouts traced at 2 and 3 layers
+(`full_depth_items`): each phase's peak of live bytes (`full_depth_peaks`) and the cache the
+caching allocator holds above them when the rebuilt step is replayed through its simulator
+(allocator.py), in steady state (`held_cache`, `peak_reserved_bytes`)."""
 from __future__ import annotations
 
 import hashlib
@@ -70,9 +71,10 @@ def full_depth_items(shallower: Layout, deeper: Layout, num_layers: int) -> tupl
     it is. None when `layer_blocks` is None or the model is no deeper than the
     trace. A framework storage that both depths hold as many of is one storage of the whole
     model wherever it is allocated (`_term_growth`): it is not repeated, and grows by k times what
-    one more layer adds to it; those alive through the whole step are matched by name, or summed per
-    category when their number grows with the model (`_persistent_growth`). A storage of the middle layer freed as the last layer returns is
-    freed as the next layer returns, in every copy. Not exact: a tensor of the second-to-last
+    one more layer adds to it; those alive through the whole step are matched by name, or summed
+    per category when their number grows with the model (`_persistent_growth`). A storage of the
+    middle layer freed as the last layer returns is freed as the next layer returns, in every
+    copy. Not exact: a tensor of the second-to-last
     layer that the last layer frees only when its forward ends (a 16-bit model under ZeRO) is
     freed there in every inserted layer too, instead of one layer later (tests/unit/
     test_full_depth_replay.py: the same peak reserved, peak allocated 0.02% higher)."""
