@@ -66,13 +66,11 @@ class _Block:
 
 
 # A free block's place in its pool's sorted free list, as one integer ordered as (size, segment,
-# offset): best fit is the first key >= `size << _SIZE_SHIFT` (the smallest block large enough, then
-# the lowest address). Offsets stay below 2**48 B (256 TiB) and segment ids below 2**32.
+# offset): (size << _SIZE_SHIFT) | (segment << _SEG_SHIFT) | offset, written out in `_insert` and
+# `_remove` (the replay's hot path). Best fit is the first key >= `size << _SIZE_SHIFT` (the smallest
+# block large enough, then the lowest address). Offsets stay below 2**48 B (256 TiB) and segment ids
+# below 2**32.
 _SEG_SHIFT, _SIZE_SHIFT = 48, 80
-
-
-def _key(b: _Block) -> int:
-    return (b.size << _SIZE_SHIFT) | (b.seg << _SEG_SHIFT) | b.offset
 
 
 class CachingAllocator:
@@ -81,7 +79,7 @@ class CachingAllocator:
     def __init__(self, expandable_segments: bool = False):
         self.expandable = expandable_segments
         self._head = {}  # expandable: pool -> the first block of its segment
-        self._free = {}  # pool (stream, small) -> sorted `_key`s of its free blocks
+        self._free = {}  # pool (stream, small) -> sorted integer keys of its free blocks
         self._blocks = {}  # pool -> key -> free block
         self._seg_ids = itertools.count()
         self.reserved = self.allocated = 0

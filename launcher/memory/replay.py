@@ -213,9 +213,10 @@ def full_depth_peaks(shallower: Layout, deeper: Layout, num_layers: int, roundin
     base = [it[2] if it[2][0] in ("row", "term", "grown") else it[2][0] for it in items]  # a copy: (key, c)
     category = [KIND_CATEGORY[Kind(int(t.kind[key[1]]))] if key[0] == "row" else
                 key[1] if key[0] == "grown" else deeper.terms[key[1]].category for key in base]
+    category = np.array(category)
     curves = {}
     for cat in CATEGORIES:
-        sel = np.array([c == cat for c in category], bool)
+        sel = category == cat
         delta = np.zeros(n + 1, np.int64)
         np.add.at(delta, np.minimum(start[sel], n), nbytes[sel])
         np.add.at(delta, np.minimum(end[sel], n), -nbytes[sel])

@@ -184,7 +184,7 @@ def test_an_expandable_segment_needs_its_used_pages_only():
 
 def test_best_fit_ties_go_to_the_older_segment_at_any_offset():
     """Among free blocks of one size the older segment wins, then the lower offset, however far
-    into its segment a block lies (the free list's integer keys, allocator.py `_key`)."""
+    into its segment a block lies (the free list's integer keys, allocator.py `_SIZE_SHIFT`)."""
     a = CachingAllocator()
     x, y = a.malloc(20 * MiB), a.malloc(20 * MiB)  # two 20 MiB segments
     a.free(y)
