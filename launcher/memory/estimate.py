@@ -106,9 +106,10 @@ def _phase_totals(traces: TraceSet, layouts: list, gathered, extra: dict, cluste
     two traced depths (allocated includes the cuBLAS workspaces on cuda)."""
     cuda = cluster.device == "cuda"
     rounding = runtime.allocator_rounding_bytes(cluster.device)
-    peaks = [phase_peaks(lay, rounding, with_host=not cuda) for lay in layouts]
-    ext = (full_depth_peaks(layouts[0], layouts[-1], traces.num_layers, rounding)
-           or extrapolate_peaks(layouts, peaks, traces.num_layers))
+    ext = full_depth_peaks(layouts[0], layouts[-1], traces.num_layers, rounding)
+    if ext is None:  # the two depths' peaks extrapolated per segment
+        peaks = [phase_peaks(lay, rounding, with_host=not cuda) for lay in layouts]
+        ext = extrapolate_peaks(layouts, peaks, traces.num_layers)
     total, breakdown = dict(ext.total), {ph: dict(b) for ph, b in ext.breakdown.items()}
     gathered_bytes = gathered[0] if gathered else 0
     for ph in ("forward", "backward"):
