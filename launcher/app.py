@@ -38,6 +38,26 @@ def model_spec(config: LauncherConfig):
     return spec
 
 
+def resolved_mode(config: LauncherConfig) -> str:
+    """What mode=auto does here: run where the GPUs are (a Slurm cluster, local GPUs, or CPU
+    processes with hardware=cpu), else plan."""
+    mode = config.mode.name
+    if mode == "auto" and config.launch.kind.name == "slurm":
+        return "run"  # launch=slurm: the GPUs are on the cluster, not here
+    if mode == "auto":
+        return "run" if local_gpu_names() or config.hardware.device == "cpu" else "plan"
+    return mode
+
+
+def mode_problem(config: LauncherConfig) -> str:
+    """Why this config cannot run in its mode, or ''."""
+    if config.training.length_profile is not None and resolved_mode(config) in ("run", "measure"):
+        return (f"training.length_profile={config.training.length_profile}: plans a data pipeline that pads "
+                "each micro-batch to its longest example, but the worker trains packed training.seq_len "
+                "blocks; use mode=plan, or training.length_profile=null to train")
+    return ""
+
+
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
@@ -63,14 +83,10 @@ def main(cfg: DictConfig) -> None:
         (run_dir / "infer_plan.json").write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result, indent=2) if config.report.name == "json" else infer_plan.format_report(result))
         return
-    mode = config.mode.name
-    if mode == "auto" and config.launch.kind.name == "slurm":
-        mode = "run"  # launch=slurm: the GPUs are on the cluster, not here
-    if mode == "auto":
-        mode = "run" if local_gpu_names() or config.hardware.device == "cpu" else "plan"
-        if mode == "plan" and config.hardware.device != "cpu":
-            print(report.wrapped("note: no local GPU: planning only. To train for real on CPU processes, "
-                                 "add hardware=cpu (e.g. scripts/demo)"), file=sys.stderr)
+    mode = resolved_mode(config)
+    if config.mode.name == "auto" and mode == "plan" and config.hardware.device != "cpu":
+        print(report.wrapped("note: no local GPU: planning only. To train for real on CPU processes, "
+                             "add hardware=cpu (e.g. scripts/demo)"), file=sys.stderr)
 
     note = other_machine_note(config.hardware)
     if note and config.report.name != "json":

@@ -21,6 +21,7 @@ import os
 import sys
 from pathlib import Path
 
+from launcher import lengths
 from launcher.environment import DEFAULT_CACHE_DIR, installed_version
 
 FORMAT = 1
@@ -77,9 +78,12 @@ def context_key(config, spec, cluster) -> str:
     micro-batch and variant (module docstring)."""
     cfg = dataclasses.asdict(config)
     cfg.pop("run_dir", None), cfg.pop("resume", None)
+    profile = config.training.length_profile  # a path's content may change under the same name
+    profile = dataclasses.asdict(lengths.load(profile)) if profile else None
     blob = json.dumps([FORMAT, code_hash(), sys.version, [installed_version(d) for d in
                                                            ("torch", "transformers", "peft", "numpy")],
-                       cfg, dataclasses.asdict(spec), dataclasses.asdict(cluster)], sort_keys=True, default=repr)
+                       cfg, dataclasses.asdict(spec), dataclasses.asdict(cluster), profile],
+                      sort_keys=True, default=repr)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 

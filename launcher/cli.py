@@ -15,7 +15,7 @@ from launcher.validate import to_config
 from launcher.errors import ConfigError, one_line
 from launcher import fallback, recipes
 from launcher import recipe_export
-from launcher.app import model_spec
+from launcher.app import mode_problem, model_spec
 from launcher.report import wrapped
 from launcher.hardware import detect_local_profile
 from launcher.config import LauncherConfig
@@ -75,6 +75,9 @@ def check(config, resume: bool = True) -> None:
     """What composing the overrides does not check: the model (its spec) and a resumed run."""
     if config.mode.name != "calibrate":  # calibration measures the machine, not a model
         model_spec(config)  # raises on any bad key, value or model
+    why = mode_problem(config)
+    if why:
+        raise ConfigError(why)
     if resume and isinstance(config.resume, str):
         fallback.check_resume(config, compose(run_overrides(config.resume)))
 

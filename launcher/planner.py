@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from launcher import host_time, speed, trace
+from launcher import host_time, lengths, speed, trace
 from launcher.backends import registry
 from launcher.backends.base import Ask, peft_kind
 from launcher.backends.colossalai import runtime as colossalai_runtime
@@ -19,6 +19,7 @@ from launcher.candidate_memo import CandidateMemo
 from launcher.config import LauncherConfig
 from launcher.environment import Env, detect
 from launcher.errors import ConfigError
+from launcher.lengths import VarlenRun
 from launcher.margin import confidence_note
 from launcher.memory import estimate as memory_model
 from launcher.memory import torchao_build
@@ -81,7 +82,8 @@ def grad_accum(config: LauncherConfig, micro: int, dp: int) -> int:
 def workload(config: LauncherConfig, spec: ModelSpec, micro: int) -> Workload:
 
     t = config.training
-    return Workload(seq_len=t.seq_len, micro_batch_size=micro, precision=t.precision.name,
+    seq_len = lengths.load(t.length_profile).peak_length(t.seq_len) if t.length_profile else t.seq_len
+    return Workload(seq_len=seq_len, micro_batch_size=micro, precision=t.precision.name,
                     optimizer=t.optimizer.name, gradient_checkpointing=t.gradient_checkpointing,
                     attn_implementation=effective_attention(spec, t.attn_implementation.name)[0],
                     checkpoint_policy=t.checkpoint_policy.name, kernels="liger" if t.liger_kernel else "torch",
@@ -224,7 +226,7 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
         accum = backend_of(strategy).grad_accum(strategy, config, accum)
     knobs = registry.knobs(config)
     mem = memory_model.estimate(traces, strategy, wl, cluster, knobs, dp, attention_workspace(spec, strategy, wl),
-                                replay_memo=replay_memo)
+                                replay_memo=replay_memo, varlen=varlen_run(config, spec, cluster, strategy, wl, lora))
     mem = replace(mem, notes=tuple(mem.notes) + trace.trace_notes(trace_key(spec, strategy, wl, lora)))
     if cluster.device == "cuda" and lora is not None and lora.quant_type == "torchao_nf4":
         mem = torchao_build.with_build(mem, traces, config.peft.nf4_quantize_chunk, replay_memo)
@@ -248,6 +250,21 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
                      peft=lora.to_dict() if lora else None,
                      gradient_checkpointing=variant.gradient_checkpointing,
                      num_trainable_params=numbers["num_trainable_params"]), numbers
+
+
+def varlen_run(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy: Strategy, wl: Workload,
+               lora=None) -> VarlenRun | None:
+    """With a length profile on a GPU: the step traced again at half the peak length, and the
+    sampled lengths of `training.length_replay_batches` micro-batches, then one at the peak
+    (the longest batch a run meets), for the allocator replay over batches of varying length
+    (launcher/memory/replay.py `varlen_held_cache`)."""
+    t = config.training
+    if not t.length_profile or cluster.device != "cuda" or wl.seq_len < 2:
+        return None
+    profile = lengths.load(t.length_profile)
+    short = replace(wl, seq_len=wl.seq_len // 2)
+    batches = profile.batch_lengths(wl.seq_len, wl.micro_batch_size, t.length_replay_batches, t.seed)
+    return VarlenRun(traced(config, spec, strategy, short, lora), short, (*batches, wl.seq_len), profile.name)
 
 
 def attention_workspace(spec: ModelSpec, strategy: Strategy, wl: Workload) -> int:
@@ -403,6 +420,15 @@ def plan_notes(config: LauncherConfig, cluster: Cluster, chosen: int | None, any
                      "strategy (strategy=auto) or install what the verdict names")
     elif chosen is None:
         notes.append("nothing fits; what would: " + "; ".join(suggestions(config, cluster)))
+    t = config.training
+    if t.length_profile:
+        profile = lengths.load(t.length_profile)
+        peak = profile.peak_length(t.seq_len)
+        notes.append(f"training.length_profile={t.length_profile}: micro-batches padded to their longest example, "
+                     f"the longest {peak} tokens ({'the seq_len cap' if peak == t.seq_len else 'the longest example'}"
+                     f"); speed is estimated at that length, memory peaks there"
+                     + ("; on a GPU the cache is replayed over a run of sampled lengths" if cluster.device == "cuda"
+                        else "") + f" (lengths: {profile.source})")
     return notes
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from launcher import margin
+from launcher import lengths, margin
 from launcher.backends.base import in_backward_problem
 from launcher.config import LauncherConfig
-from launcher.errors import collect
+from launcher.errors import ConfigError, collect
 from launcher.slurm import launch_problems
 
 
@@ -77,9 +77,14 @@ def problems(c: LauncherConfig, argv: list[str] | None = None) -> list[str]:
     elif c.gpus >= 1 and c.gpus % c.nodes:
         out.append(f"gpus={c.gpus} is not divisible by nodes={c.nodes}; gpus counts GPUs over all nodes, "
                    f"e.g. gpus={c.nodes * max(1, c.gpus // c.nodes)} nodes={c.nodes}")
-    for key in ("seq_len", "max_steps"):
+    for key in ("seq_len", "max_steps", "length_replay_batches"):
         if getattr(t, key) < 1:
             out.append(f"training.{key}={getattr(t, key)}: must be at least 1")
+    if t.length_profile is not None:
+        try:
+            lengths.load(t.length_profile)
+        except ConfigError as err:
+            out.append(str(err))
     for key in ("micro_batch_size", "global_batch_size"):
         v = getattr(t, key)
         if v is not None and v < 1:

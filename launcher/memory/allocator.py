@@ -15,7 +15,9 @@ Rules (GPU_MEMORY.md, from the allocator source):
   returned (no `empty_cache`), so `peak_reserved` is what a run with memory to spare reports;
 - out of memory: before failing, `malloc` frees every cached block that is a whole segment
   (`release_cached_blocks`; with expandable segments the unused pages), so a step needs only its
-  peak of reserved minus those (`peak_needed`).
+  peak of reserved minus those (`peak_needed`). Given the device's `capacity`, the simulator does
+  the same when a new segment would take reserved past it (a run long enough to fill the GPU with
+  cache: batches of varying length, replay.py `varlen_held_cache`).
 With `expandable_segments:True` (PYTORCH_CUDA_ALLOC_CONF; "Note [Expandable Segments]" in the
 same file) each pool is one segment per stream that grows by whole pages (2 MiB for the small pool,
 20 MiB for the large one): a request no free block fits is placed at the segment's end, extending
@@ -76,8 +78,9 @@ _SEG_SHIFT, _SIZE_SHIFT = 48, 80
 class CachingAllocator:
     """Replays malloc/free; tracks allocated and reserved bytes and their peaks."""
 
-    def __init__(self, expandable_segments: bool = False):
+    def __init__(self, expandable_segments: bool = False, capacity: int | None = None):
         self.expandable = expandable_segments
+        self.capacity = capacity  # bytes the device can reserve: past them, cached segments are released
         self._head = {}  # expandable: pool -> the first block of its segment
         self._free = {}  # pool (stream, small) -> sorted integer keys of its free blocks
         self._blocks = {}  # pool -> key -> free block
@@ -137,6 +140,8 @@ class CachingAllocator:
             block = self._grow(pool, size)
         else:
             seg_bytes = allocation_size(size)
+            if self.capacity is not None and self.reserved + seg_bytes > self.capacity and self.releasable:
+                self.release_cached_blocks()
             block = _Block(next(self._seg_ids), 0, seg_bytes, pool)
             block.free = False
             self.reserved += seg_bytes
@@ -156,6 +161,25 @@ class CachingAllocator:
         if self.reserved - self.releasable > self.peak_needed:
             self.peak_needed = self.reserved - self.releasable
         return block
+
+    def release_cached_blocks(self) -> None:
+        """What a failed cudaMalloc triggers before the allocator retries it and, failing again,
+        reports out of memory (CUDACachingAllocator.cpp `release_cached_blocks`, run with
+        `max_split_size` unlimited, the default): every cached block that is a whole segment is
+        returned to the driver, in every pool. Segments with expandable segments are not released
+        here (the simulator keeps their pages)."""
+        if self.expandable:
+            return
+        for pool, keys in self._free.items():
+            blocks = self._blocks[pool]
+            whole = [k for k in keys if blocks[k].prev is None and blocks[k].next is None]
+            for k in whole:
+                b = blocks.pop(k)
+                self.reserved -= b.size
+                self.releasable -= b.size
+            if whole:
+                gone = set(whole)
+                keys[:] = [k for k in keys if k not in gone]
 
     def _grow(self, pool: tuple, size: int) -> _Block:
         """Map pages at the end of the pool's one segment for `size` bytes: the free block at the

@@ -44,12 +44,13 @@ from dataclasses import replace
 from launcher.backends.base import LayoutSet
 from launcher.backends.registry import backend_of
 from launcher.backends.registry import knobs as registry_knobs
+from launcher.lengths import VarlenRun
 from launcher.steptrace import TraceSet
 from launcher.types import Cluster, MemoryEstimate, Strategy, Workload
 
 from launcher.memory import runtime
 from launcher.memory.common import PHASES, extrapolate_layouts, extrapolate_peaks, host_bytes, phase_peaks
-from launcher.memory.replay import full_depth_peaks, held_cache
+from launcher.memory.replay import full_depth_peaks, held_cache, varlen_held_cache
 
 
 def trace_request(strategy: Strategy, workload: Workload) -> dict:
@@ -65,15 +66,22 @@ def layout_set(traces: TraceSet, strategy: Strategy, workload: Workload, knobs, 
 
 
 def estimate(traces: TraceSet, strategy: Strategy, workload: Workload, cluster: Cluster, knobs,
-             dp_size: int, attention_workspace_bytes: int = 0, replay_memo=None) -> MemoryEstimate:
+             dp_size: int, attention_workspace_bytes: int = 0, replay_memo=None,
+             varlen: VarlenRun | None = None) -> MemoryEstimate:
     """Peak memory of the worst rank of `strategy` (module docstring: method and assumptions),
     with every rank's peak in `per_rank_peak_allocated_bytes` (by global rank, from the
     LayoutSet's groups) when ranks differ (ZeRO 1-2, pipeline stages).
     `knobs`: config group name -> its dataclass (the backend reads its own).
     `attention_workspace_bytes`: a GPU attention kernel's backward workspace
     (runtime.py `flash_attention_backward_bytes`), added to the backward peak on cuda.
-    `replay_memo` (replay.py `ReplayMemo`): allocator replay results kept on disk."""
+    `replay_memo` (replay.py `ReplayMemo`): allocator replay results kept on disk.
+    `varlen` (launcher/lengths.py): on cuda, the cache is also replayed over micro-batches of
+    varying length (replay.py `varlen_held_cache`) and the larger of the two is kept."""
     ls = layout_set(traces, strategy, workload, knobs, dp_size, cluster.device)
+    short = None
+    if varlen is not None and cluster.device == "cuda":
+        short = layout_set(varlen.short_traces, strategy, varlen.short, knobs, dp_size, cluster.device)
+        short = short if len(short.groups) == len(ls.groups) else None
     traces, notes, gathered, extra = ls.traces, tuple(ls.notes), ls.gathered, dict(ls.extra)
     if cluster.device == "cuda" and attention_workspace_bytes:
         extra = {**extra, "backward": dict(extra.get("backward", {}))}
@@ -81,16 +89,25 @@ def estimate(traces: TraceSet, strategy: Strategy, workload: Workload, cluster: 
         notes = notes + (FLASH_NOTE,)
     if len(ls.groups) == 1 and not ls.groups[0][0]:
         return _estimate(traces, list(ls.groups[0][1]), notes, gathered, extra, cluster, dp_size,
-                         replay_memo=replay_memo)
+                         replay_memo=replay_memo, varlen=_varlen(varlen, short, 0, workload))
     per_rank, worst = {}, None
-    for ranks, layouts in ls.groups:  # the allocator replay (cuda reserved) only for the worst rank
+    for g, (ranks, layouts) in enumerate(ls.groups):  # the allocator replay (cuda reserved) only for the worst rank
         totals = _phase_totals(traces, list(layouts), gathered, extra, cluster)
         per_rank.update((r, totals[2]) for r in ranks)
         if worst is None or totals[2] > worst[1][2]:
-            worst = (list(layouts), totals)
+            worst = (list(layouts), totals, g)
     est = _estimate(traces, worst[0], notes, gathered, extra, cluster, dp_size, totals=worst[1],
-                    replay_memo=replay_memo)
+                    replay_memo=replay_memo, varlen=_varlen(varlen, short, worst[2], workload))
     return replace(est, per_rank_peak_allocated_bytes=tuple(per_rank[r] for r in sorted(per_rank)))
+
+
+def _varlen(varlen: VarlenRun | None, short: LayoutSet | None, group: int, workload: Workload):
+    """(short layouts of rank group `group`, their TraceSet, batch lengths, long and short tokens,
+    profile name) for `_estimate`, or None."""
+    if varlen is None or short is None:
+        return None
+    return (list(short.groups[group][1]), varlen.short_traces, varlen.batches, workload.seq_len,
+            varlen.short.seq_len, varlen.profile)
 
 
 def estimate_memory(traces: TraceSet, strategy: Strategy, workload: Workload, cluster: Cluster,
@@ -124,9 +141,9 @@ def _phase_totals(traces: TraceSet, layouts: list, gathered, extra: dict, cluste
 
 
 def _estimate(traces: TraceSet, layouts: list, notes, gathered, extra: dict, cluster: Cluster,
-              dp_size: int, totals=None, replay_memo=None) -> MemoryEstimate:
+              dp_size: int, totals=None, replay_memo=None, varlen=None) -> MemoryEstimate:
     """The estimate of one rank from its layouts at the two traced depths (`totals`: their
-    `_phase_totals`, when already computed)."""
+    `_phase_totals`, when already computed; `varlen`: `_varlen`)."""
     cuda = cluster.device == "cuda"
     total, breakdown, _ = totals or _phase_totals(traces, layouts, gathered, extra, cluster)
     phase = max(PHASES, key=lambda ph: total[ph])
@@ -145,6 +162,17 @@ def _estimate(traces: TraceSet, layouts: list, notes, gathered, extra: dict, clu
     over = allocated + outside > cluster.memory_bytes
     held, needed = held_cache(layouts[-1], cluster.sm_arch, cluster.expandable_segments, replay_memo,
                               shallower=None if over else layouts[0], num_layers=traces.num_layers)
+    if varlen is not None and not over:
+        short, short_traces, batches, long_len, short_len, profile = varlen
+        v = varlen_held_cache((layouts[0], layouts[-1], traces.num_layers, long_len),
+                              (short[0], short[-1], short_traces.num_layers, short_len),
+                              list(batches), cluster.sm_arch, cluster.expandable_segments, replay_memo,
+                              capacity=cluster.memory_bytes - outside)
+        if v is None:
+            notes = tuple(notes) + (VARLEN_MISMATCH_NOTE.format(profile=profile, short=short_len),)
+        else:
+            notes = tuple(notes) + (varlen_note(profile, batches, v[0], held),)
+            held, needed = max(held, v[0]), max(needed, v[1])
     reserved = allocated + held
     bd["runtime"] = workspace + outside
     expandable = (EXPANDABLE_NOTE,) if cluster.expandable_segments else ()
@@ -153,6 +181,19 @@ def _estimate(traces: TraceSet, layouts: list, notes, gathered, extra: dict, clu
                           needed_bytes=allocated + needed + outside)
 
 
+def varlen_note(profile: str, batches, held_varlen: int, held_fixed: int) -> str:
+    """What the replay over batches of varying length found, for the candidate's notes."""
+    b = sorted(batches)
+    return (f"variable-length batches (training.length_profile={profile}): {len(b)} micro-batches of "
+            f"{b[0]}-{b[-1]} tokens (median {b[len(b) // 2]}, the last at the peak length) replayed through "
+            f"the allocator leave {held_varlen / 2**30:.2f} GiB cached above live bytes, against "
+            f"{held_fixed / 2**30:.2f} GiB for batches all at the peak length; reserved keeps the larger. "
+            "Sizes are interpolated per storage between the steps traced at two lengths.")
+
+
+VARLEN_MISMATCH_NOTE = ("variable-length batches (training.length_profile={profile}): the step traced at {short} "
+                        "tokens allocates other storages than at the peak length, so the cache is replayed "
+                        "at the peak length only.")
 FLASH_NOTE = ("GPU flash attention backward: its fp32 dq accumulator and, with grouped-query attention, "
               "K/V gradients expanded to every head (flash_api.cpp mha_bwd) are added to the backward peak.")
 OVER_NOTE = ("peak allocated + CUDA context + NCCL alone exceed the GPU: the allocator cache in reserved "

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from launcher.environment import DEFAULT_CACHE_DIR
-from .allocator import replay
+from .allocator import CachingAllocator, replay
 from .common import CATEGORIES, KIND_CATEGORY, Layout, PhasePeaks
 from launcher.steptrace import Kind
 from .runtime import cublas_workspace_allocations
@@ -297,19 +297,27 @@ def allocation_events(layout: Layout, sm_arch: int, items: list[tuple] | None = 
     events = [(-1, 1, -1 - j, b, 0) for j, b in enumerate(cublas)]  # keys: -1.. cuBLAS, then item numbers
     if not items:
         return events
+    nbytes, persistent, key, ops, at, stream = _timeline(items, n)
+    events += [(-1, 1, int(i), int(nbytes[i]), int(stream[i])) for i in persistent]
+    size, st, ops = nbytes[key].tolist(), stream[key].tolist(), ops.tolist()
+    for rep in range(2):
+        keys = (key + (rep + 1) * len(items)).tolist()
+        events += list(zip((at + rep * (n + 1)).tolist(), ops, keys, size, st))
+    return events
+
+
+def _timeline(items: list[tuple], n: int):
+    """One step's events of `items` on a timeline of `n` events: (bytes per item, the persistent
+    items (alive from the first to the last event), then for the others' allocations and frees in
+    order: item, op (+1 allocate, -1 free), time; stream per item). Frees come first at one time;
+    items alive at the end of the step are freed there."""
     start, end, nbytes, stream = (np.array([it[f] for it in items], np.int64) for f in (0, 1, 3, 4))
     persistent = (start == 0) & (end >= n)
-    events += [(-1, 1, int(i), int(nbytes[i]), int(stream[i])) for i in np.nonzero(persistent)[0]]
     rest = np.nonzero(~persistent)[0]
     op = np.concatenate([np.ones(len(rest), np.int64), -np.ones(len(rest), np.int64)])
     at = np.concatenate([start[rest], np.minimum(end[rest], n)])
     order = np.lexsort((op, at))  # by time, frees first; stable: item order among equals
-    size, st = np.concatenate([nbytes[rest]] * 2)[order].tolist(), np.concatenate([stream[rest]] * 2)[order].tolist()
-    ops, times = op[order].tolist(), at[order]
-    for rep in range(2):
-        keys = (np.concatenate([rest, rest])[order] + (rep + 1) * len(items)).tolist()
-        events += list(zip((times + rep * (n + 1)).tolist(), ops, keys, size, st))
-    return events
+    return nbytes, np.nonzero(persistent)[0], np.concatenate([rest, rest])[order], op[order], at[order], stream
 
 
 def peak_reserved_bytes(deeper: Layout, sm_arch: int, peak_allocated_bytes: int,
@@ -355,6 +363,81 @@ def held_cache(deeper: Layout, sm_arch: int, expandable_segments: bool = False, 
         if key is not None:
             memo.put(key, held)
     return held
+
+
+def varlen_held_cache(long: tuple, short: tuple, lengths: list[int], sm_arch: int,
+                      expandable_segments: bool = False, memo: "ReplayMemo | None" = None,
+                      capacity: int | None = None) -> tuple[int, int] | None:
+    """(held, needed) as `held_cache`, over a run of micro-batches of varying length: `lengths`
+    (lengths.py `LengthProfile.batch_lengths`) replayed one after another through one allocator.
+
+    `long` and `short` are (shallower layout, deeper layout, num_layers, tokens) of the same
+    strategy traced at two sequence lengths. Every storage's size at length L is interpolated
+    between its sizes at the two (affine in L: activations, logits and their gradients are; with
+    eager attention the seq^2 probabilities are not, and the chord overstates them between the
+    two lengths). The persistent storages are allocated once; each batch then allocates and frees
+    the step's other storages in the traced order at its own sizes. A block cached by one batch
+    serves a later request only if it is large enough (best fit, split when more than 1 MiB is left:
+    CUDACachingAllocator.cpp), so a longer batch after shorter ones gets new segments while the
+    shorter batches' blocks stay cached: peak reserved grows with the lengths a run has seen,
+    until a new segment would take it past the device's `capacity` (bytes the allocator can
+    reserve), where the allocator returns its wholly free cached segments before retrying
+    (allocator.py `release_cached_blocks`). None when the two lengths' steps do not allocate the
+    same storages at the same points."""
+    sides = []
+    for shallower, deeper, num_layers, tokens in (long, short):
+        rebuild = shallower is not None and num_layers and num_layers > deeper.trace.num_layers
+        full = full_depth_items(shallower, deeper, num_layers) if rebuild else None
+        items, n = full or (_items(deeper), deeper.num_events)
+        sides.append((items, n, tokens, deeper))
+    (items_a, n, len_a, deeper), (items_b, n_b, len_b, _) = sides
+    if n != n_b or len(items_a) != len(items_b) or len_a == len_b or any(
+            x[:3] != y[:3] or x[4] != y[4] for x, y in zip(items_a, items_b)):
+        return None
+    key = None
+    if memo is not None:
+        h = hashlib.blake2b(digest_size=20)
+        h.update(json.dumps([len_a, len_b, list(lengths), capacity, [x[:3] + x[4:] for x in items_a]],
+                            default=str).encode())
+        h.update(np.array([[x[3], y[3]] for x, y in zip(items_a, items_b)], np.int64).tobytes())
+        key = memo.key(deeper, sm_arch, expandable_segments, ["varlen", h.hexdigest()])
+        held = memo.get(key)
+        if held is not None:
+            return held
+    held = varlen_replay(items_a, items_b, n, len_a, len_b, lengths, sm_arch, expandable_segments, capacity)
+    if key is not None:
+        memo.put(key, held)
+    return held
+
+
+def varlen_replay(items_a: list[tuple], items_b: list[tuple], n: int, len_a: int, len_b: int,
+                  lengths: list[int], sm_arch: int, expandable_segments: bool = False,
+                  capacity: int | None = None) -> tuple[int, int]:
+    """(held, needed) of `varlen_held_cache` from the step's storages at two lengths (`items_a`
+    at `len_a` tokens, `items_b` at `len_b`: the same storages with the same lifetimes on a
+    timeline of `n` events)."""
+    nbytes_a, persistent, order, ops, _, stream = _timeline(items_a, n)
+    nbytes_b = np.array([it[3] for it in items_b], np.int64)
+    slope = (nbytes_a - nbytes_b) / (len_a - len_b)
+    alloc = CachingAllocator(expandable_segments, capacity)
+    malloc, free = alloc.malloc, alloc.free
+    for b in cublas_workspace_allocations(sm_arch):
+        malloc(b, 0)
+    for i in persistent.tolist():
+        malloc(int(nbytes_a[i]), int(stream[i]))
+    order_l, ops_l, streams = order.tolist(), ops.tolist(), stream[order].tolist()
+    for length in lengths:
+        size = np.rint(nbytes_b + slope * (length - len_b)).astype(np.int64)
+        sizes, live = np.maximum(size, 0)[order].tolist(), {}
+        for i, op, nb, st in zip(order_l, ops_l, sizes, streams):
+            if op > 0:
+                if nb:  # a zero-byte tensor allocates nothing
+                    live[i] = malloc(nb, st)
+            else:
+                block = live.pop(i, None)
+                if block is not None:
+                    free(block)
+    return alloc.peak_reserved - alloc.peak_allocated, max(0, alloc.peak_needed - alloc.peak_allocated)
 
 
 _CODE = ("allocator.py", "replay.py")  # the replay's code: its text is part of every memo key

@@ -20,6 +20,10 @@ BAD = [
     (["model=custom", "model.config_path=/nonexistent/config.json"], "model.config_path", "no such file"),
     (["model=tiny-llama", "gpus=2", "strategy=single", "training.seq_len=128"], "strategy=single", "ddp"),
     (["-m", "model=tiny-llama,tiny-blom", "gpus=2"], "model=tiny-blom: no such model", "tiny-bloom"),
+    (["model=tiny-llama", "training.length_profile=shakespeare"], "training.length_profile=shakespeare", "alpaca"),
+    (["model=tiny-llama", "training.length_replay_batches=0"], "training.length_replay_batches=0", "at least 1"),
+    (["model=tiny-llama", "hardware=cpu", "gpus=2", "training.seq_len=64", "training.length_profile=alpaca"],
+     "training.length_profile=alpaca", "mode=plan"),
 ]
 
 
