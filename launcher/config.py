@@ -199,9 +199,10 @@ class TrainingConfig:
     lengths seen. null = every micro-batch holds seq_len tokens (packed, or padded to seq_len).
     Planning only: the worker trains packed seq_len blocks of its dataset."""
     length_replay_batches: int = 300
-    """With a length_profile on a GPU: micro-batches of sampled lengths replayed (about 15-45 ms each
-    for a 7B model). The allocator's cache keeps growing slowly over a run: Llama-2-7B LoRA on alpaca
-    at 512 tokens holds 0.5 GiB more after 300 batches, 0.9 GiB after 1000."""
+    """With a length_profile on a GPU: micro-batches of sampled lengths replayed, the first of a run
+    (about 45 ms each for a 7B model with checkpointing). The cache keeps growing slowly with more:
+    Llama-2-7B LoRA on Alpaca at 512 tokens holds 0.25 GiB above live bytes at one length and
+    1.05 GiB after 300 batches (scripts/validate_gpu_rows.yaml TT-32)."""
     micro_batch_size: Optional[int] = None
     """Examples per GPU per forward. null = search the largest that fits."""
     global_batch_size: Optional[int] = None

@@ -389,7 +389,10 @@ def prefetch(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env
             continue
         for micro in micro_batch_sizes(config, cluster.num_gpus // (strategy.tp_size * strategy.pp_size))[:3]:
             wl = replace(workload(config, spec, micro), gradient_checkpointing=variant.gradient_checkpointing)
-            keys.append(trace_key(spec, strategy, wl, backend_of(strategy).peft_of(strategy, variant.lora)))
+            lora = backend_of(strategy).peft_of(strategy, variant.lora)
+            keys.append(trace_key(spec, strategy, wl, lora))
+            if config.training.length_profile and cluster.device == "cuda" and wl.seq_len >= 2:  # `varlen_run`
+                keys.append(trace_key(spec, strategy, replace(wl, seq_len=wl.seq_len // 2), lora))
     trace.prefetch(keys, spec.num_layers, config.cache_dir)
 
 

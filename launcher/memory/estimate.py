@@ -83,6 +83,8 @@ def estimate(traces: TraceSet, strategy: Strategy, workload: Workload, cluster: 
         short = layout_set(varlen.short_traces, strategy, varlen.short, knobs, dp_size, cluster.device)
         short = short if len(short.groups) == len(ls.groups) else None
     traces, notes, gathered, extra = ls.traces, tuple(ls.notes), ls.gathered, dict(ls.extra)
+    if varlen is not None and cluster.device == "cuda" and short is None:
+        notes += (VARLEN_MISMATCH_NOTE.format(profile=varlen.profile, short=varlen.short.seq_len),)
     if cluster.device == "cuda" and attention_workspace_bytes:
         extra = {**extra, "backward": dict(extra.get("backward", {}))}
         extra["backward"]["buffers"] = extra["backward"].get("buffers", 0) + attention_workspace_bytes
