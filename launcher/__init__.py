@@ -1,14 +1,22 @@
 """Plans, configures and launches LLM fine-tuning (README.md).
 
-Two third-party notices that say nothing about a plan or a run are silenced here, before those
+Third-party notices that say nothing about a plan or a run are silenced here, before those
 libraries are imported by the planner, the tracer or the worker:
 - bitsandbytes' CPU backend (bitsandbytes/backends/cpu/ops.py) logs on every import, on a CPU
   with AVX-512 BF16, that the optional `kernels` package for its CPU 4-bit GEMM is missing;
 - peft (peft_model.py) reads transformers' deprecated `is_gradient_checkpointing`, a FutureWarning
-  per model built.
+  per model built;
+- ColossalAI 0.5.0, in each worker rank: colossalai/utils/safetensors.py asks on import for
+  TensorNVMe, used only by asynchronous checkpoint saves (the worker saves synchronously);
+  shardformer/layer/normalization.py asks for apex per fused norm it cannot build (apex's fused
+  RMSNorm is a CUDA kernel); pipeline/p2p.py calls torch's deprecated `isinstance(treespec,
+  LeafSpec)` per message it unpickles.
 """
 import logging
 import warnings
 
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+warnings.filterwarnings("ignore", message="Please install the latest tensornvme", category=UserWarning)
+warnings.filterwarnings("ignore", message="Please install apex from source", category=UserWarning)
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)

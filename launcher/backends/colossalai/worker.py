@@ -25,6 +25,7 @@ colossalai.booster.plugin>, "kwargs": {...}} (launcher/backends/colossalai/emit.
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 
 from launcher.backends.colossalai import cpu
@@ -166,11 +167,18 @@ class ColossalAIBackend:
 
     def save(self, directory: Path, rank: int) -> None:
         """Unsharded: the booster gathers ZeRO and tensor-parallel shards into the layout-neutral
-        form (launcher/worker/layout.py), which every plugin and backend can read."""
+        form (launcher/worker/layout.py), which every plugin and backend can read. ColossalAI's
+        root-logger advice against unsharded checkpoints of large models
+        (checkpoint_io/hybrid_parallel_checkpoint_io.py) is dropped: the form is chosen."""
         import torch
 
-        self.booster.save_model(self.model, str(directory / layout.MODEL), shard=False)
-        self.booster.save_optimizer(self.optimizer, str(directory / layout.OPTIMIZER), shard=False)
+        root, drop = logging.getLogger(), _DropMessage("unsharded checkpointing methods")
+        root.addFilter(drop)
+        try:
+            self.booster.save_model(self.model, str(directory / layout.MODEL), shard=False)
+            self.booster.save_optimizer(self.optimizer, str(directory / layout.OPTIMIZER), shard=False)
+        finally:
+            root.removeFilter(drop)
         if rank == 0:
             torch.save(self.scheduler.state_dict(), directory / layout.SCHEDULER)
 
@@ -186,3 +194,14 @@ class ColossalAIBackend:
 def check_config(spec, world_size: int) -> None:
     """The run's colossalai_plugin.json (`check_plugin_config`)."""
     check_plugin_config(spec.framework_config)
+
+
+class _DropMessage(logging.Filter):
+    """Drops the log records whose message contains `text`."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
