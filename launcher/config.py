@@ -198,6 +198,9 @@ class TrainingConfig:
     micro-batches of sampled lengths through the allocator simulator, whose cache grows with the
     lengths seen. null = every micro-batch holds seq_len tokens (packed, or padded to seq_len).
     Planning only: the worker trains packed seq_len blocks of its dataset."""
+    length_multiple_of: int = 1
+    """With a length_profile: each micro-batch padded up to a multiple of this many tokens before the
+    seq_len cut (transformers' DataCollatorWithPadding / DataCollatorForSeq2Seq pad_to_multiple_of)."""
     length_replay_batches: int = 300
     """With a length_profile on a GPU: micro-batches of sampled lengths replayed, the first of a run
     (about 45 ms each for a 7B model with checkpointing). The cache keeps growing slowly with more:

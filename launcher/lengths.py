@@ -38,19 +38,20 @@ class LengthProfile:
     """The longest example, tokens."""
     source: str
 
-    def batch_lengths(self, cap: int, micro_batch_size: int, count: int, seed: int) -> list[int]:
+    def batch_lengths(self, cap: int, micro_batch_size: int, count: int, seed: int, multiple: int = 1) -> list[int]:
         """Lengths of `count` micro-batches of `micro_batch_size` examples drawn independently
-        (a shuffled dataset), each padded to its longest example and cut at `cap` tokens;
-        deterministic for a seed."""
+        (a shuffled dataset), each padded to its longest example, rounded up to a `multiple` of
+        tokens and cut at `cap`; deterministic for a seed."""
         rng = np.random.default_rng(seed)
         u = rng.random((count, micro_batch_size))
         lengths = np.ceil(np.interp(u, self.fractions, self.tokens)).max(axis=1)
+        lengths = np.ceil(lengths / multiple) * multiple
         return np.minimum(lengths, cap).astype(int).tolist()
 
-    def peak_length(self, cap: int) -> int:
+    def peak_length(self, cap: int, multiple: int = 1) -> int:
         """The longest batch a run over the whole dataset meets: the cap, or the longest example
-        when the cap is above it."""
-        return min(cap, self.longest)
+        (rounded up to a `multiple`) when the cap is above it."""
+        return min(cap, -(-self.longest // multiple) * multiple)
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,8 @@ def grad_accum(config: LauncherConfig, micro: int, dp: int) -> int:
 def workload(config: LauncherConfig, spec: ModelSpec, micro: int) -> Workload:
 
     t = config.training
-    seq_len = lengths.load(t.length_profile).peak_length(t.seq_len) if t.length_profile else t.seq_len
+    seq_len = (lengths.load(t.length_profile).peak_length(t.seq_len, t.length_multiple_of) if t.length_profile
+               else t.seq_len)
     return Workload(seq_len=seq_len, micro_batch_size=micro, precision=t.precision.name,
                     optimizer=t.optimizer.name, gradient_checkpointing=t.gradient_checkpointing,
                     attn_implementation=effective_attention(spec, t.attn_implementation.name)[0],
@@ -263,7 +264,8 @@ def varlen_run(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strate
         return None
     profile = lengths.load(t.length_profile)
     short = replace(wl, seq_len=wl.seq_len // 2)
-    batches = profile.batch_lengths(wl.seq_len, wl.micro_batch_size, t.length_replay_batches, t.seed)
+    batches = profile.batch_lengths(wl.seq_len, wl.micro_batch_size, t.length_replay_batches, t.seed,
+                                    t.length_multiple_of)
     return VarlenRun(traced(config, spec, strategy, short, lora), short, (*batches, wl.seq_len), profile.name)
 
 
@@ -426,7 +428,7 @@ def plan_notes(config: LauncherConfig, cluster: Cluster, chosen: int | None, any
     t = config.training
     if t.length_profile:
         profile = lengths.load(t.length_profile)
-        peak = profile.peak_length(t.seq_len)
+        peak = profile.peak_length(t.seq_len, t.length_multiple_of)
         notes.append(f"training.length_profile={t.length_profile}: micro-batches padded to their longest example, "
                      f"the longest {peak} tokens ({'the seq_len cap' if peak == t.seq_len else 'the longest example'}"
                      f"); speed is estimated at that length, memory peaks there"

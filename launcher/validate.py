@@ -77,7 +77,7 @@ def problems(c: LauncherConfig, argv: list[str] | None = None) -> list[str]:
     elif c.gpus >= 1 and c.gpus % c.nodes:
         out.append(f"gpus={c.gpus} is not divisible by nodes={c.nodes}; gpus counts GPUs over all nodes, "
                    f"e.g. gpus={c.nodes * max(1, c.gpus // c.nodes)} nodes={c.nodes}")
-    for key in ("seq_len", "max_steps", "length_replay_batches"):
+    for key in ("seq_len", "max_steps", "length_replay_batches", "length_multiple_of"):
         if getattr(t, key) < 1:
             out.append(f"training.{key}={getattr(t, key)}: must be at least 1")
     if t.length_profile is not None:

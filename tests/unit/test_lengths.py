@@ -31,6 +31,9 @@ def test_batches_are_their_longest_example_cut_at_the_cap(tmp_path):
     assert p.batch_lengths(1000, 2, 50, seed=3) == p.batch_lengths(1000, 2, 50, seed=3)
     assert p.batch_lengths(1000, 2, 50, seed=3) != p.batch_lengths(1000, 2, 50, seed=4)
     assert p.peak_length(1000) == 400 and p.peak_length(256) == 256
+    sixteens = p.batch_lengths(cap=250, micro_batch_size=1, count=2000, seed=0, multiple=16)
+    assert {n % 16 for n in sixteens if n < 250} == {0} and 250 in sixteens and min(sixteens) == 112
+    assert p.peak_length(1000, multiple=16) == 400 and p.peak_length(1000, multiple=64) == 448
 
 
 def test_the_shipped_alpaca_profile_is_a_distribution_with_its_source():
