@@ -226,14 +226,17 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
     if backend_of(strategy).grad_accum:  # e.g. a pipeline's micro-batches
         accum = backend_of(strategy).grad_accum(strategy, config, accum)
     knobs = registry.knobs(config)
+    varlen = varlen_run(config, spec, cluster, strategy, wl, lora)
     mem = memory_model.estimate(traces, strategy, wl, cluster, knobs, dp, attention_workspace(spec, strategy, wl),
-                                replay_memo=replay_memo, varlen=varlen_run(config, spec, cluster, strategy, wl, lora))
+                                replay_memo=replay_memo, varlen=varlen)
     mem = replace(mem, notes=tuple(mem.notes) + trace.trace_notes(trace_key(spec, strategy, wl, lora)))
     if cluster.device == "cuda" and lora is not None and lora.quant_type == "torchao_nf4":
         mem = torchao_build.with_build(mem, traces, config.peft.nf4_quantize_chunk, replay_memo)
-    flops = {k: traces.at_depth(lambda t, k=k: t.flops.get(k, 0.0))
-             for k in ("forward", "backward", "attention_forward", "attention_backward")}
-    spd = speed.estimate_speed(flops, strategy, wl, cluster, num_params=numbers["num_params"],
+    flops = step_flops(traces)
+    speed_wl = wl
+    if varlen is not None:  # the run's batches are shorter than its longest on average
+        flops, speed_wl = mean_length_flops(flops, step_flops(varlen.short_traces), wl, varlen)
+    spd = speed.estimate_speed(flops, strategy, speed_wl, cluster, num_params=numbers["num_params"],
                                num_trainable_params=numbers["num_trainable_params"], grad_accum_steps=accum,
                                dp_size=dp, knobs=knobs, spec=spec, counts=step_counts(traces, config))
     usable = int(cluster.memory_bytes * (1 - config.planner.safety_margin))
@@ -267,6 +270,30 @@ def varlen_run(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strate
     batches = profile.batch_lengths(wl.seq_len, wl.micro_batch_size, t.length_replay_batches, t.seed,
                                     t.length_multiple_of)
     return VarlenRun(traced(config, spec, strategy, short, lora), short, (*batches, wl.seq_len), profile.name)
+
+
+def step_flops(traces) -> dict:
+    """FLOPs of one step at the model's depth: forward, backward and their fused-attention parts."""
+    return {k: traces.at_depth(lambda t, k=k: t.flops.get(k, 0.0))
+            for k in ("forward", "backward", "attention_forward", "attention_backward")}
+
+
+def mean_length_flops(flops: dict, short_flops: dict, wl: Workload, varlen: VarlenRun) -> tuple[dict, Workload]:
+    """A step's FLOPs averaged over the run's batch lengths (`varlen.batches`), and the workload at
+    their mean length, from the steps traced at the peak length and at `varlen.short.seq_len`:
+    fused attention grows with the square of the length (its score and value matmuls), the rest
+    linearly between the two traced lengths."""
+    n = len(varlen.batches)
+    mean = sum(varlen.batches) / n
+    mean_sq = sum(x * x for x in varlen.batches) / n
+    long_len, short_len = wl.seq_len, varlen.short.seq_len
+    out = {}
+    for phase in ("forward", "backward"):
+        attn = flops[f"attention_{phase}"] * mean_sq / long_len**2
+        rest, rest_short = (f[phase] - f[f"attention_{phase}"] for f in (flops, short_flops))
+        out[phase] = rest_short + (rest - rest_short) * (mean - short_len) / (long_len - short_len) + attn
+        out[f"attention_{phase}"] = attn
+    return out, replace(wl, seq_len=max(1, round(mean)))
 
 
 def attention_workspace(spec: ModelSpec, strategy: Strategy, wl: Workload) -> int:
@@ -429,11 +456,11 @@ def plan_notes(config: LauncherConfig, cluster: Cluster, chosen: int | None, any
     if t.length_profile:
         profile = lengths.load(t.length_profile)
         peak = profile.peak_length(t.seq_len, t.length_multiple_of)
+        where = ("the cache is replayed over a run of sampled lengths and speed is estimated at their mean "
+                 "(tokens/s counts padded tokens)" if cluster.device == "cuda" else "speed is estimated there")
         notes.append(f"training.length_profile={t.length_profile}: micro-batches padded to their longest example, "
                      f"the longest {peak} tokens ({'the seq_len cap' if peak == t.seq_len else 'the longest example'}"
-                     f"); speed is estimated at that length, memory peaks there"
-                     + ("; on a GPU the cache is replayed over a run of sampled lengths" if cluster.device == "cuda"
-                        else "") + f" (lengths: {profile.source})")
+                     f"), where memory peaks; {where} (lengths: {profile.source})")
     return notes
 
 

@@ -2,6 +2,7 @@
 run of such batches (launcher/memory/replay.py `varlen_replay`), and what a plan makes of them."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -13,6 +14,7 @@ from launcher.errors import ConfigError
 from launcher.hardware import cluster_from
 from launcher.memory.allocator import CachingAllocator
 from launcher.memory.replay import varlen_replay
+from launcher.types import Workload
 
 MIB = 2**20
 
@@ -117,12 +119,29 @@ def _plan(tmp_path, *overrides):
 
 
 def test_a_plan_over_alpaca_batches_replays_them_and_says_so(tmp_path):
-    fixed = _plan(tmp_path, "training.seq_len=512").candidates[0].memory
-    varlen = _plan(tmp_path, "training.seq_len=512", "training.length_profile=alpaca").candidates[0].memory
-    assert varlen.peak_allocated_bytes == fixed.peak_allocated_bytes  # the run's longest batch is at the cap
-    assert varlen.peak_reserved_bytes >= fixed.peak_reserved_bytes
-    note = next(n for n in varlen.notes if n.startswith("variable-length batches"))
+    fixed = _plan(tmp_path, "training.seq_len=512").candidates[0]
+    plan = _plan(tmp_path, "training.seq_len=512", "training.length_profile=alpaca")
+    varlen = plan.candidates[0]
+    # the run's longest batch is at the cap; its mean one is shorter, and so are the mean step's FLOPs
+    assert varlen.memory.peak_allocated_bytes == fixed.memory.peak_allocated_bytes
+    assert varlen.memory.peak_reserved_bytes >= fixed.memory.peak_reserved_bytes
+    assert varlen.speed.breakdown["flops"] < 0.5 * fixed.speed.breakdown["flops"]
+    note = next(n for n in varlen.memory.notes if n.startswith("variable-length batches"))
     assert "301 micro-batches" in note and "training.length_profile=alpaca" in note
+    assert any("speed is estimated at their mean" in n for n in plan.notes)
+
+
+def test_the_mean_step_of_varying_batches():
+    """Attention FLOPs grow with the square of the length, the rest linearly between the two traced
+    lengths: batches of 256 and 512 tokens average 384 tokens and 5/8 of the 512-token attention."""
+    long = {"forward": 100.0, "attention_forward": 40.0, "backward": 200.0, "attention_backward": 80.0}
+    short = {"forward": 40.0, "attention_forward": 10.0, "backward": 80.0, "attention_backward": 20.0}
+    wl = Workload(512, 2, "bf16-true", "adamw_torch", True, "sdpa")
+    run = lengths.VarlenRun(None, dataclasses.replace(wl, seq_len=256), (256, 512), "test")
+    flops, at = planner.mean_length_flops(long, short, wl, run)
+    assert flops == {"forward": 45.0 + 25.0, "attention_forward": 25.0, "backward": 90.0 + 50.0,
+                     "attention_backward": 50.0}
+    assert at.seq_len == 384
 
 
 def test_a_cap_above_the_longest_example_plans_the_longest(tmp_path):
