@@ -227,11 +227,11 @@ class CachingAllocator:
         self._insert(block)
 
 
-def replay(events, expandable_segments: bool = False) -> CachingAllocator:
+def replay(events, expandable_segments: bool = False, capacity: int | None = None) -> CachingAllocator:
     """Replay `(time, op, key, nbytes)` or `(time, op, key, nbytes, stream)` tuples in order: op +1
     allocates `nbytes` for `key` on `stream` (default 0), -1 frees `key` (unknown keys are
-    ignored)."""
-    alloc = CachingAllocator(expandable_segments)
+    ignored). `capacity`: the device's bytes (`CachingAllocator`)."""
+    alloc = CachingAllocator(expandable_segments, capacity)
     malloc, free, live = alloc.malloc, alloc.free, {}
     pop = live.pop
     for e in events:

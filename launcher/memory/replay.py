@@ -5,6 +5,7 @@ caching allocator holds above them when the rebuilt step is replayed through its
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from launcher.environment import DEFAULT_CACHE_DIR
-from .allocator import CachingAllocator, replay
+from .allocator import replay
 from .common import CATEGORIES, KIND_CATEGORY, Layout, PhasePeaks
 from launcher.steptrace import Kind
 from .runtime import cublas_workspace_allocations
@@ -415,28 +416,22 @@ def varlen_replay(items_a: list[tuple], items_b: list[tuple], n: int, len_a: int
                   capacity: int | None = None) -> tuple[int, int]:
     """(held, needed) of `varlen_held_cache` from the step's storages at two lengths (`items_a`
     at `len_a` tokens, `items_b` at `len_b`: the same storages with the same lifetimes on a
-    timeline of `n` events)."""
+    timeline of `n` events), replayed as one stream of events (allocator.py `replay`)."""
     nbytes_a, persistent, order, ops, _, stream = _timeline(items_a, n)
     nbytes_b = np.array([it[3] for it in items_b], np.int64)
     slope = (nbytes_a - nbytes_b) / (len_a - len_b)
-    alloc = CachingAllocator(expandable_segments, capacity)
-    malloc, free = alloc.malloc, alloc.free
-    for b in cublas_workspace_allocations(sm_arch):
-        malloc(b, 0)
-    for i in persistent.tolist():
-        malloc(int(nbytes_a[i]), int(stream[i]))
     order_l, ops_l, streams = order.tolist(), ops.tolist(), stream[order].tolist()
-    for length in lengths:
-        size = np.rint(nbytes_b + slope * (length - len_b)).astype(np.int64)
-        sizes, live = np.maximum(size, 0)[order].tolist(), {}
-        for i, op, nb, st in zip(order_l, ops_l, sizes, streams):
-            if op > 0:
-                if nb:  # a zero-byte tensor allocates nothing
-                    live[i] = malloc(nb, st)
-            else:
-                block = live.pop(i, None)
-                if block is not None:
-                    free(block)
+
+    def batches():
+        for length in lengths:  # each batch frees its storages by its end: item numbers are reused
+            sizes = np.maximum(np.rint(nbytes_b + slope * (length - len_b)).astype(np.int64), 0)[order].tolist()
+            for i, op, nb, st in zip(order_l, ops_l, sizes, streams):
+                if nb or op < 0:  # a zero-byte tensor allocates nothing (its free is then ignored)
+                    yield 0, op, i, nb, st
+
+    start = [(-1, 1, -1 - j, b, 0) for j, b in enumerate(cublas_workspace_allocations(sm_arch))]
+    start += [(-1, 1, len(items_a) + int(i), int(nbytes_a[i]), int(stream[i])) for i in persistent]
+    alloc = replay(itertools.chain(start, batches()), expandable_segments, capacity)
     return alloc.peak_reserved - alloc.peak_allocated, max(0, alloc.peak_needed - alloc.peak_allocated)
 
 
