@@ -19,10 +19,15 @@ import json
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from launcher.errors import ConfigError
+
+if TYPE_CHECKING:
+    from launcher.steptrace import TraceSet
+    from launcher.types import Workload
 
 SHIPPED = Path(__file__).resolve().parent / "data" / "lengths"
 
@@ -59,10 +64,9 @@ class VarlenRun:
     """A run of micro-batches of varying length, for the allocator replay of a GPU estimate
     (launcher/memory/estimate.py): the step traced at a second, shorter length, and the batches'
     lengths in order."""
-    short_traces: object
-    """launcher.steptrace.TraceSet of the step at `short.seq_len` tokens."""
-    short: object
-    """The launcher.types.Workload of that step."""
+    short_traces: TraceSet
+    """The step at `short.seq_len` tokens."""
+    short: Workload
     batches: tuple[int, ...]
     profile: str
 
@@ -71,14 +75,10 @@ def names() -> list[str]:
     return sorted(p.stem for p in SHIPPED.glob("*.json"))
 
 
+@lru_cache(maxsize=8)
 def load(spec: str) -> LengthProfile:
     """The profile `training.length_profile` names (a shipped name or a path); ConfigError names
     the key and the fix."""
-    return _load(spec)
-
-
-@lru_cache(maxsize=8)
-def _load(spec: str) -> LengthProfile:
     key = f"training.length_profile={spec}"
     path = SHIPPED / f"{spec}.json" if "/" not in spec and not spec.endswith((".json", ".txt")) else Path(spec).expanduser()
     if not path.is_file():

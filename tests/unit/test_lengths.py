@@ -158,7 +158,7 @@ def test_profile_content_is_part_of_the_candidate_memo_key(tmp_path):
     counts.write_text("30\n60\n90\n")
     first = _plan(tmp_path, "training.seq_len=512", f"training.length_profile={counts}").candidates[0].memory
     counts.write_text("30\n60\n200\n")
-    lengths._load.cache_clear()
+    lengths.load.cache_clear()
     second = _plan(tmp_path, "training.seq_len=512", f"training.length_profile={counts}").candidates[0].memory
     assert second.peak_allocated_bytes > first.peak_allocated_bytes
 
