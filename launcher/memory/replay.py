@@ -294,17 +294,22 @@ def allocation_events(layout: Layout, sm_arch: int, items: list[tuple] | None = 
     replay are freed before the second. At one time, frees come before allocations."""
     n = layout.num_events if num_events is None else num_events
     items = _items(layout) if items is None else items
-    cublas = cublas_workspace_allocations(sm_arch)
-    events = [(-1, 1, -1 - j, b, 0) for j, b in enumerate(cublas)]  # keys: -1.. cuBLAS, then item numbers
     if not items:
-        return events
+        return _first_events(sm_arch)
     nbytes, persistent, key, ops, at, stream = _timeline(items, n)
-    events += [(-1, 1, int(i), int(nbytes[i]), int(stream[i])) for i in persistent]
+    events = _first_events(sm_arch, nbytes, persistent, stream)
     size, st, ops = nbytes[key].tolist(), stream[key].tolist(), ops.tolist()
     for rep in range(2):
         keys = (key + (rep + 1) * len(items)).tolist()
         events += list(zip((at + rep * (n + 1)).tolist(), ops, keys, size, st))
     return events
+
+
+def _first_events(sm_arch: int, nbytes=None, persistent=(), stream=None) -> list[tuple]:
+    """The replay's first allocations: the cuBLAS workspaces (keys -1, -2, ...), then the persistent
+    storages (`_timeline`; keyed by their item numbers)."""
+    events = [(-1, 1, -1 - j, b, 0) for j, b in enumerate(cublas_workspace_allocations(sm_arch))]
+    return events + [(-1, 1, int(i), int(nbytes[i]), int(stream[i])) for i in persistent]
 
 
 def _timeline(items: list[tuple], n: int):
@@ -420,17 +425,16 @@ def varlen_replay(items_a: list[tuple], items_b: list[tuple], n: int, len_a: int
     nbytes_a, persistent, order, ops, _, stream = _timeline(items_a, n)
     nbytes_b = np.array([it[3] for it in items_b], np.int64)
     slope = (nbytes_a - nbytes_b) / (len_a - len_b)
-    order_l, ops_l, streams = order.tolist(), ops.tolist(), stream[order].tolist()
+    keys, ops_l, streams = (order + len(items_a)).tolist(), ops.tolist(), stream[order].tolist()
 
     def batches():
-        for length in lengths:  # each batch frees its storages by its end: item numbers are reused
+        for length in lengths:  # each batch frees its storages by its end: its keys are reused
             sizes = np.maximum(np.rint(nbytes_b + slope * (length - len_b)).astype(np.int64), 0)[order].tolist()
-            for i, op, nb, st in zip(order_l, ops_l, sizes, streams):
+            for k, op, nb, st in zip(keys, ops_l, sizes, streams):
                 if nb or op < 0:  # a zero-byte tensor allocates nothing (its free is then ignored)
-                    yield 0, op, i, nb, st
+                    yield 0, op, k, nb, st
 
-    start = [(-1, 1, -1 - j, b, 0) for j, b in enumerate(cublas_workspace_allocations(sm_arch))]
-    start += [(-1, 1, len(items_a) + int(i), int(nbytes_a[i]), int(stream[i])) for i in persistent]
+    start = _first_events(sm_arch, nbytes_a, persistent, stream)
     alloc = replay(itertools.chain(start, batches()), expandable_segments, capacity)
     return alloc.peak_reserved - alloc.peak_allocated, max(0, alloc.peak_needed - alloc.peak_allocated)
 
