@@ -34,7 +34,7 @@ Optimizer = _enum(
     "HF TrainingArguments `optim` names. adamw_torch = torch.optim.AdamW with its default "
     "implementation (foreach on this torch when all tensors are on one device); "
     "adamw_torch_fused = fused=True; adamw_torch_foreach = foreach=True; sgd = torch.optim.SGD "
-    "(momentum 0.9); adamw_bnb_8bit = bitsandbytes.optim.AdamW8bit (8-bit blockwise states); "
+    "(momentum training.sgd_momentum); adamw_bnb_8bit = bitsandbytes.optim.AdamW8bit (8-bit blockwise states); "
     "paged_adamw_8bit = bitsandbytes.optim.PagedAdamW8bit (same, states in CUDA unified memory); "
     "paged_adamw_32bit = bitsandbytes.optim.PagedAdamW32bit (fp32 states in CUDA unified memory); "
     "adafactor = transformers.optimization.Adafactor (factored second moment, no first moment).",
@@ -230,6 +230,10 @@ class TrainingConfig:
     attn_implementation: Attention = Attention["sdpa"]  # type: ignore[valid-type]
     learning_rate: float = 2.0e-4
     weight_decay: float = 0.0
+    sgd_momentum: float = 0.9
+    """training.optimizer=sgd's momentum. 0 = plain SGD, which keeps no optimizer state (torch/optim/
+    sgd.py creates `momentum_buffer` only when momentum != 0): torch.optim.SGD's own default, and
+    HF Trainer's optim="sgd" without optim_args (transformers/trainer_optimizer.py `_get_sgd`)."""
     max_grad_norm: float = 1.0
     """Gradient clipping (0 = off)."""
     optimizer_in_backward: bool = False

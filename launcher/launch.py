@@ -70,7 +70,7 @@ def run_spec(c: Candidate, config: LauncherConfig, spec: ModelSpec, run_dir: Pat
         gradient_checkpointing=t.gradient_checkpointing or c.gradient_checkpointing,
         checkpoint_policy=t.checkpoint_policy.name, liger_kernel=t.liger_kernel, peft=c.peft or {},
         seq_len=t.seq_len, micro_batch_size=c.micro_batch_size, grad_accum_steps=c.grad_accum_steps,
-        max_steps=t.max_steps, learning_rate=t.learning_rate, weight_decay=t.weight_decay,
+        max_steps=t.max_steps, learning_rate=t.learning_rate, weight_decay=t.weight_decay, sgd_momentum=t.sgd_momentum,
         max_grad_norm=t.max_grad_norm, optimizer_in_backward=t.optimizer_in_backward,
         warmup_steps=t.warmup_steps, seed=t.seed,
         data_path=config.data.path, text_key=config.data.text_key, framework_config=framework,

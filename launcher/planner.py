@@ -88,7 +88,8 @@ def workload(config: LauncherConfig, spec: ModelSpec, micro: int) -> Workload:
                     optimizer=t.optimizer.name, gradient_checkpointing=t.gradient_checkpointing,
                     attn_implementation=effective_attention(spec, t.attn_implementation.name)[0],
                     checkpoint_policy=t.checkpoint_policy.name, kernels="liger" if t.liger_kernel else "torch",
-                    causal_lm_loss=t.causal_lm_loss.name, optimizer_in_backward=t.optimizer_in_backward)
+                    causal_lm_loss=t.causal_lm_loss.name, optimizer_in_backward=t.optimizer_in_backward,
+                    sgd_momentum=float(t.sgd_momentum))
 
 
 def ask(config: LauncherConfig, cluster: Cluster, env: Env, peft: str = "none") -> Ask:

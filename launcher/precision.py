@@ -15,7 +15,7 @@ TORCH = {  # precision -> (param_dtype, autocast_dtype)
 FRAMEWORK = {"32-true": "float32", "bf16-mixed": "bfloat16", "16-mixed": "float16", "bf16-true": "bfloat16"}
 """precision -> dtype of the module a framework casts (DeepSpeed, ColossalAI plugins)."""
 TRACE_OPTIMIZER = {"adamw_torch": "adamw_foreach", "adamw_torch_foreach": "adamw_foreach",
-                   "adamw_torch_fused": "adamw_fused", "sgd": "sgd", "adafactor": "adafactor",
+                   "adamw_torch_fused": "adamw_fused", "sgd": "sgd", "sgd_plain": "sgd_plain", "adafactor": "adafactor",
                    "adamw_bnb_8bit": "none", "paged_adamw_8bit": "none", "paged_adamw_32bit": "none"}
 """HF optim name -> the optimizer the tracer steps for real (bitsandbytes': modelled, launcher/backends/ddp/layout.py)."""
 
@@ -24,7 +24,7 @@ def torch_trace_request(workload) -> dict:
     """TraceKey fields of a model run as torch runs it, its torch optimizer traced for real."""
     param_dtype, autocast = TORCH[workload.precision]
     return {"param_dtype": param_dtype, "autocast_dtype": autocast,
-            "optimizer": TRACE_OPTIMIZER[workload.optimizer]}
+            "optimizer": TRACE_OPTIMIZER[workload.state_optimizer]}
 
 
 def compute_dtype(precision: str) -> str:

@@ -35,6 +35,7 @@ class RunSpec:
     max_steps: int = 30
     learning_rate: float = 2e-4
     weight_decay: float = 0.0
+    sgd_momentum: float = 0.9
     max_grad_norm: float = 1.0
     optimizer_in_backward: bool = False  # one optimizer per parameter, stepped in its gradient hook
     warmup_steps: int = 0

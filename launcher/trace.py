@@ -54,7 +54,7 @@ from launcher import peft as lp
 from launcher.peft import four_bit_storage_bytes
 from launcher.peft import LoraSettings
 
-OPTIMIZERS = ("adamw_foreach", "adamw_single", "adamw_fused", "sgd", "adafactor", "none")
+OPTIMIZERS = ("adamw_foreach", "adamw_single", "adamw_fused", "sgd", "sgd_plain", "adafactor", "none")
 PARAM_DTYPES = ("float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 PHASES = ("build", "forward", "backward", "optimizer", "zero_grad")
@@ -64,7 +64,7 @@ COPY_OPS = ("_to_copy", "copy", "clone", "cat", "stack", "index_select", "embedd
             "empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided")
 """aten ops that move or fill memory without arithmetic (OpClass.COPY); an empty allocation counts as
 the in-place op that fills it."""
-SGD_MOMENTUM = 0.9  # launcher/config.py: Optimizer 'sgd' = torch.optim.SGD (momentum 0.9)
+SGD_MOMENTUM = 0.9  # training.sgd_momentum's default; a trace depends only on whether it is zero (sgd / sgd_plain)
 
 
 @dataclass(frozen=True)
@@ -328,8 +328,9 @@ def tp_shard_config(cfg, tp_size: int):
 def _make_optimizer(key: TraceKey, params):
     import torch
 
-    if key.optimizer == "sgd":  # foreach: the default for CUDA tensors (optimizer.py)
-        return torch.optim.SGD(params, lr=1e-3, momentum=SGD_MOMENTUM, foreach=True)
+    if key.optimizer in ("sgd", "sgd_plain"):  # foreach: the default for CUDA tensors (optimizer.py)
+        return torch.optim.SGD(params, lr=1e-3, momentum=SGD_MOMENTUM if key.optimizer == "sgd" else 0.0,
+                               foreach=True)
     if key.optimizer == "adafactor":  # HF Trainer's optim="adafactor" settings (no data-dependent lr)
         from transformers.optimization import Adafactor
 

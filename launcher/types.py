@@ -19,6 +19,13 @@ class Workload:
     kernels: str = "torch"  # torch | liger (training.liger_kernel; launcher/liger.py)
     causal_lm_loss: str = "model"  # model | fp32_shift_copy (training.causal_lm_loss)
     optimizer_in_backward: bool = False  # each parameter stepped in its gradient hook (training.optimizer_in_backward)
+    sgd_momentum: float = 0.9  # training.sgd_momentum (with optimizer sgd; 0 = no momentum buffers)
+
+    @property
+    def state_optimizer(self) -> str:
+        """The optimizer as its states are laid out: `sgd_plain` for SGD without momentum (no state),
+        else the HF name."""
+        return "sgd_plain" if self.optimizer == "sgd" and not self.sgd_momentum else self.optimizer
 
 
 @dataclass(frozen=True)

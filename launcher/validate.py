@@ -41,6 +41,7 @@ def run_problems(c: LauncherConfig) -> list[str]:
     if not isinstance(c.resume, (bool, str)):
         out.append(f"resume={c.resume}: must be false or the directory of a previous run (resume=runs/<date>/<time>_<model>)")
     for key, value in (("training.warmup_steps", t.warmup_steps), ("training.weight_decay", t.weight_decay),
+                       ("training.sgd_momentum", t.sgd_momentum),
                        ("training.max_grad_norm", t.max_grad_norm), ("checkpoint.every_steps", c.checkpoint.every_steps),
                        ("checkpoint.keep", c.checkpoint.keep), ("launch.max_restarts", c.launch.max_restarts),
                        ("max_fallbacks", c.max_fallbacks)):

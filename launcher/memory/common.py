@@ -360,14 +360,15 @@ def add_modelled_states(layout: Layout, optimizer: str, shapes: list, state_byte
 
 def optimizer_state_numel_factor(optimizer: str) -> int:
     """Full-size state tensors per parameter: AdamW exp_avg + exp_avg_sq (torch/optim/adamw.py
-    `_init_group`), SGD momentum_buffer (torch/optim/sgd.py)."""
-    return 1 if optimizer == "sgd" else 2
+    `_init_group`), SGD momentum_buffer (torch/optim/sgd.py; none without momentum: `sgd_plain`,
+    types.Workload.state_optimizer)."""
+    return {"sgd": 1, "sgd_plain": 0}.get(optimizer, 2)
 
 
 def optimizer_step_scalar_bytes(optimizer: str, num_tensors: int) -> int:
     """AdamW's per-parameter `state['step']`: a float32 scalar tensor (torch/optim/adam.py
     `_init_group`, `_get_scalar_dtype()`); SGD has none."""
-    return 0 if optimizer == "sgd" else 4 * num_tensors
+    return 0 if optimizer in ("sgd", "sgd_plain") else 4 * num_tensors
 
 
 def model_state_bytes(layout: Layout) -> int:

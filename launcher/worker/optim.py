@@ -6,9 +6,9 @@ from launcher.backends.base import OPTIMIZERS
 from launcher.errors import ConfigError
 
 
-def make_optimizer(name: str, params, learning_rate: float, weight_decay: float):
+def make_optimizer(name: str, params, learning_rate: float, weight_decay: float, sgd_momentum: float = 0.9):
     """adamw_torch, adamw_torch_foreach: AdamW with foreach=True (one multi-tensor kernel per
-    group, on every device); adamw_torch_fused: AdamW(fused=True); sgd: SGD with momentum 0.9; adamw_bnb_8bit /
+    group, on every device); adamw_torch_fused: AdamW(fused=True); sgd: SGD with momentum `sgd_momentum`; adamw_bnb_8bit /
     paged_adamw_8bit / paged_adamw_32bit: bitsandbytes.optim.AdamW8bit / PagedAdamW8bit /
     PagedAdamW32bit; adafactor: transformers'
     Adafactor with HF Trainer's optim="adafactor" settings (scale_parameter=False,
@@ -21,7 +21,7 @@ def make_optimizer(name: str, params, learning_rate: float, weight_decay: float)
     if name == "adamw_torch_fused":
         return torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay, fused=True)
     if name == "sgd":
-        return torch.optim.SGD(params, lr=learning_rate, momentum=0.9, weight_decay=weight_decay)
+        return torch.optim.SGD(params, lr=learning_rate, momentum=sgd_momentum, weight_decay=weight_decay)
     if name in ("adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit"):
         import bitsandbytes as bnb
 
@@ -60,9 +60,10 @@ class OptimizerInBackward:
     with or without stepping in backward. Each parameter's optimizer has its own LambdaLR; they
     step together once per optimizer step (`scheduler`)."""
 
-    def __init__(self, name: str, params, learning_rate: float, weight_decay: float, warmup_steps: int):
+    def __init__(self, name: str, params, learning_rate: float, weight_decay: float, warmup_steps: int,
+                 sgd_momentum: float = 0.9):
         self.params = [p for p in params if p.requires_grad]
-        self.optimizers = [make_optimizer(name, [p], learning_rate, weight_decay) for p in self.params]
+        self.optimizers = [make_optimizer(name, [p], learning_rate, weight_decay, sgd_momentum) for p in self.params]
         self.scheduler = _Schedulers([make_scheduler(o, warmup_steps) for o in self.optimizers])
         for p, opt in zip(self.params, self.optimizers):
             p.register_post_accumulate_grad_hook(lambda p, opt=opt: _step_and_free(opt, p))

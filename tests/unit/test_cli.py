@@ -22,6 +22,7 @@ BAD = [
     (["-m", "model=tiny-llama,tiny-blom", "gpus=2"], "model=tiny-blom: no such model", "tiny-bloom"),
     (["model=tiny-llama", "training.length_profile=shakespeare"], "training.length_profile=shakespeare", "alpaca"),
     (["model=tiny-llama", "training.length_replay_batches=0"], "training.length_replay_batches=0", "at least 1"),
+    (["model=tiny-llama", "training.sgd_momentum=-1"], "training.sgd_momentum=-1.0", "zero or more"),
     (["model=tiny-llama", "hardware=cpu", "gpus=2", "training.seq_len=64", "training.length_profile=alpaca"],
      "training.length_profile=alpaca", "mode=plan"),
 ]

@@ -52,6 +52,7 @@ def real_step(k: tr.TraceKey):
                "adamw_single": lambda: torch.optim.AdamW(params, foreach=False),
                "adamw_fused": lambda: torch.optim.AdamW(params, fused=True),
                "sgd": lambda: torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=True),
+               "sgd_plain": lambda: torch.optim.SGD(params, lr=0.1, foreach=True),
                "none": lambda: None}[k.optimizer]()
         train_one_step(model, k, opt, VOCAB)
     return mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"], model
@@ -113,7 +114,7 @@ def test_transformers_4_44_loss_peak_equals_memtracker(precision):
     assert t.phase_max(t.live_curve(), "forward") > installed.phase_max(installed.live_curve(), "forward")
 
 
-@pytest.mark.parametrize("optimizer", ["adamw_single", "adamw_fused", "sgd"])
+@pytest.mark.parametrize("optimizer", ["adamw_single", "adamw_fused", "sgd", "sgd_plain"])
 def test_peak_per_optimizer_equals_memtracker(optimizer):
     k = key(llama(), seq_len=32, optimizer=optimizer)
     traced, (real, _) = tr.trace_step(k).live_curve().max(), real_step(k)
@@ -121,17 +122,19 @@ def test_peak_per_optimizer_equals_memtracker(optimizer):
 
 
 @pytest.mark.parametrize("cfg,optimizer", [(llama(), "adamw_foreach"), (bloom(), "adamw_single"),
-                                           (llama(), "sgd"), (llama(tie_word_embeddings=True), "adamw_fused")])
+                                           (llama(), "sgd"), (llama(), "sgd_plain"),
+                                           (llama(tie_word_embeddings=True), "adamw_fused")])
 def test_category_bytes_after_the_optimizer_step(cfg, optimizer):
     """Live PARAM/GRAD/OPTIM bytes just before zero_grad, from the real model's parameters:
     grads = params; AdamW: exp_avg + exp_avg_sq of param size + a 4-byte fp32 `step` per parameter
-    (torch/optim/adamw.py _init_group); SGD: one momentum buffer of param size."""
+    (torch/optim/adamw.py _init_group); SGD: one momentum buffer of param size; SGD without
+    momentum: nothing (torch/optim/sgd.py)."""
     k = key(cfg, seq_len=16, optimizer=optimizer, attn_implementation="eager")
     t = tr.trace_step(k)
     _, model = real_step(k)
     params = list(model.parameters())  # tied weights appear once
     param_bytes = sum(p.numel() * p.element_size() for p in params)
-    optim_bytes = param_bytes if optimizer == "sgd" else 2 * param_bytes + 4 * len(params)
+    optim_bytes = {"sgd": param_bytes, "sgd_plain": 0}.get(optimizer, 2 * param_bytes + 4 * len(params))
     at = t.phases["zero_grad"][0] - 1
     live = (t.alloc <= at) & (t.free > at)
     got = {kd: int(t.nbytes[live & (t.kind == kd)].sum()) for kd in (Kind.PARAM, Kind.GRAD, Kind.OPTIM)}

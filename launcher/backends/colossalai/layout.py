@@ -264,7 +264,7 @@ def trace_request(strategy, workload) -> dict:
 def _zero_setup(strategy, workload, cai, dp: int, device: str) -> ZeroSetup:
     return ZeroSetup(stage=strategy.zero_stage, model_bytes=DTYPE_BYTES[PLUGIN_DTYPE[workload.precision]],
                      dp=dp, bucket_numel=cai.reduce_bucket_size_in_m * MEGA, overlap=overlap(cai, device),
-                     optimizer=workload.optimizer)
+                     optimizer=workload.state_optimizer)
 
 
 def memory(traces, strategy, workload, knobs, dp: int, device: str) -> LayoutSet:

@@ -90,7 +90,8 @@ class ColossalAIBackend:
         name, kwargs = spec.framework_config["plugin"], dict(spec.framework_config.get("kwargs", {}))
         self.plugin = plugin_class(name)(**kwargs)
         self.booster = Booster(plugin=self.plugin)
-        optimizer = make_optimizer(spec.optimizer, model.parameters(), spec.learning_rate, spec.weight_decay)
+        optimizer = make_optimizer(spec.optimizer, model.parameters(), spec.learning_rate, spec.weight_decay,
+                                   spec.sgd_momentum)
         self.model, self.optimizer, *_ = self.booster.boost(model, optimizer)
         self._torch_optimizer = optimizer
         self.scheduler = make_scheduler(optimizer, spec.warmup_steps)

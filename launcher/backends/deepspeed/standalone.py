@@ -28,9 +28,6 @@ ADAM_BETAS = [0.9, 0.999]
 ADAM_EPS = 1e-8
 """torch.optim.AdamW's defaults, which the worker's optimizer uses."""
 
-SGD_MOMENTUM = 0.9
-"""The worker's SGD momentum (launcher/worker/backends.py make_optimizer)."""
-
 AUTO_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
              "gradient_clipping")
 """Top-level keys HF Trainer fills from TrainingArguments when they say "auto"."""
@@ -58,7 +55,7 @@ def optimizer_block(training: TrainingConfig) -> dict:
     name = _name(training.optimizer)
     lr, wd = float(training.learning_rate), float(training.weight_decay)
     if name == "sgd":
-        return {"type": "SGD", "params": {"lr": lr, "momentum": SGD_MOMENTUM, "weight_decay": wd}}
+        return {"type": "SGD", "params": {"lr": lr, "momentum": float(training.sgd_momentum), "weight_decay": wd}}
     params = {"lr": lr, "betas": list(ADAM_BETAS), "eps": ADAM_EPS, "weight_decay": wd, "torch_adam": True}
     if name in ("adamw_torch", "adamw_torch_foreach"):
         params["foreach"] = True

@@ -77,7 +77,8 @@ class DeepSpeedBackend:
         deepspeed.utils.logger.setLevel(logging.WARNING)
         config = deepspeed_config(spec, env.world_size)
         model = _true_dtype_model(model, spec, config)
-        optimizer = make_optimizer(spec.optimizer, model.parameters(), spec.learning_rate, spec.weight_decay)
+        optimizer = make_optimizer(spec.optimizer, model.parameters(), spec.learning_rate, spec.weight_decay,
+                                   spec.sgd_momentum)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, config=config,
             lr_scheduler=lambda opt: make_scheduler(opt, spec.warmup_steps))

@@ -64,6 +64,7 @@ import numpy as np
 from launcher.backends.base import LayoutSet
 from launcher.backends.fsdp2.rules import mixed_precision, model_dtype, reshard_after_forward
 from launcher.memory.common import (DTYPE_BYTES, Layout, distinct_params, four_bit_params, grad_ready_order,
+                                    optimizer_state_numel_factor, optimizer_step_scalar_bytes,
                                     optimizer_step_temp_numel)
 from launcher.steptrace import Kind, StepTrace
 from launcher.types import Strategy
@@ -303,10 +304,8 @@ def fsdp2_layout(trace: StepTrace, s: FSDP2Setup) -> FSDP2Layout:
         lay.add("quant_state", "parameters", quant_state)
     local = sum(g.trainable_local_bytes[r] for g in gs.values())  # states in each parameter's dtype
     trainable = [i for i in distinct_params(trace) if trace.params.trainable[i]]
-    if s.optimizer != "sgd":
-        lay.add("optimizer_states", "optimizer_states", 2 * local + 4 * len(trainable), host=s.offload)
-    else:
-        lay.add("optimizer_states", "optimizer_states", local, host=s.offload)
+    lay.add("optimizer_states", "optimizer_states", optimizer_state_numel_factor(s.optimizer) * local
+            + optimizer_step_scalar_bytes(s.optimizer, len(trainable)), host=s.offload)
 
     # forward: root unshard at the start, then each block's unshard at its start
     lay.add("cast_copy", "buffers", cast_temp(root), lay.at(fs, 0), lay.at(fs, 1), stream=AG_STREAM)
@@ -429,7 +428,7 @@ def setup(strategy: Strategy, workload, dp: int, rank: int, frozen_bytes: int = 
                       compute_bytes=DTYPE_BYTES[compute], shard_bytes=DTYPE_BYTES[shard],
                       reduce_bytes=DTYPE_BYTES[mp["reduce_dtype"] or mp["param_dtype"]] if mp["param_dtype"] else 0,
                       cast=compute != shard,
-                      optimizer=workload.optimizer, offload=strategy.offload_params,
+                      optimizer=workload.state_optimizer, offload=strategy.offload_params,
                       frozen_bytes=frozen_bytes)
 
 
