@@ -89,6 +89,7 @@ class CachingAllocator:
         self.peak_reserved = self.peak_allocated = 0
         self.releasable = 0  # cached bytes an out-of-memory retry would return (`_releasable`)
         self.peak_needed = 0  # the peak of reserved minus `releasable`
+        self.segment_changes = 0  # segments (or expandable pages) mapped or released so far
 
     def _releasable(self, b: _Block) -> int:
         """What `release_cached_blocks` (run when a cudaMalloc fails, before the allocator reports
@@ -144,6 +145,7 @@ class CachingAllocator:
                 self.release_cached_blocks()
             block = _Block(next(self._seg_ids), 0, seg_bytes, pool)
             block.free = False
+            self.segment_changes += 1
             self.reserved += seg_bytes
             if self.reserved > self.peak_reserved:
                 self.peak_reserved = self.reserved
@@ -178,6 +180,7 @@ class CachingAllocator:
                 self.reserved -= b.size
                 self.releasable -= b.size
             if whole:
+                self.segment_changes += 1
                 gone = set(whole)
                 keys[:] = [k for k in keys if k not in gone]
 
@@ -205,6 +208,7 @@ class CachingAllocator:
             else:
                 self._head[pool] = block
         self.reserved += added
+        self.segment_changes += 1
         self.peak_reserved = max(self.peak_reserved, self.reserved)
         return block
 
@@ -227,11 +231,14 @@ class CachingAllocator:
         self._insert(block)
 
 
-def replay(events, expandable_segments: bool = False, capacity: int | None = None) -> CachingAllocator:
+def replay(events, expandable_segments: bool = False, capacity: int | None = None,
+           alloc: CachingAllocator | None = None) -> CachingAllocator:
     """Replay `(time, op, key, nbytes)` or `(time, op, key, nbytes, stream)` tuples in order: op +1
     allocates `nbytes` for `key` on `stream` (default 0), -1 frees `key` (unknown keys are
-    ignored). `capacity`: the device's bytes (`CachingAllocator`)."""
-    alloc = CachingAllocator(expandable_segments, capacity)
+    ignored). `capacity`: the device's bytes (`CachingAllocator`). `alloc`: replay into this
+    allocator instead of a new one (an `events` generator may then read its state: each event is
+    replayed before the next is drawn)."""
+    alloc = alloc if alloc is not None else CachingAllocator(expandable_segments, capacity)
     malloc, free, live = alloc.malloc, alloc.free, {}
     pop = live.pop
     for e in events:

@@ -96,6 +96,27 @@ def test_a_full_device_returns_its_free_segments_before_growing():
     assert held([256, 512], capacity=(64 + 20 + 128 + 30 + 64) * MIB) - fixed == 64 * MIB
 
 
+def test_a_batch_is_replayed_again_only_when_the_cache_has_changed(monkeypatch):
+    """A batch that repeats a length from the same cached segments makes the same requests and
+    reaches the same peaks, so it is not replayed; one whose cache the previous batch grew is."""
+    mallocs = []
+
+    class Counting(CachingAllocator):
+        def malloc(self, nbytes, stream=0):
+            mallocs.append(nbytes)
+            return super().malloc(nbytes, stream)
+
+    monkeypatch.setattr("launcher.memory.replay.CachingAllocator", Counting)
+    # the first 256 maps X's and Y's segments, the second meets them cached, the rest repeat it;
+    # 512 maps X's 128 MiB segment: P and cuBLAS' two workspaces, then 2 requests per batch replayed
+    repeated = held([256] * 10 + [512])
+    assert len(mallocs) == 3 + 2 * 3
+    assert repeated == held([256, 512]) == 64 * MIB + held([512, 512])
+    mallocs.clear()
+    held([256, 512, 512, 256, 256, 256])  # after 512's growth, 256 is replayed once more
+    assert len(mallocs) == 3 + 2 * 4
+
+
 def test_release_keeps_segments_that_hold_live_blocks():
     a = CachingAllocator()
     live = a.malloc(40 * MIB)
