@@ -100,6 +100,27 @@ def test_lora_with_the_base_trained_measured_peak_matches_estimate(cli):
     assert chosen["num_trainable_params"] == plan["model"]["num_params"] and chosen["peft"]["train_base"] is True
 
 
+SGD_ZERO2_GAP = ("DeepSpeed ZeRO-2's step with torch.optim.SGD, momentum or not: -4.7% at bf16-mixed (7.7 MB "
+                 "more live in the optimizer phase than modelled), +5.3% at 32-true; with AdamW, whose foreach "
+                 "temporaries set the phase's peak, the same model is within 0.01%")
+
+
+@pytest.mark.parametrize("strategy", ["cai_zero2", pytest.param("zero2", marks=[
+    pytest.mark.long, pytest.mark.xfail(strict=True, reason=SGD_ZERO2_GAP)])])
+def test_plain_sgd_measured_peak_matches_estimate(cli, strategy):
+    """torch.optim.SGD without momentum (training.sgd_momentum=0) keeps no state, where ColossalAI's
+    and DeepSpeed's layouts model the optimizer states rather than trace them (with SGD's momentum
+    buffers laid out, both read +19%: small-llama at 32 tokens peaks in the optimizer step)."""
+    run_dir = cli.cwd / "run"
+    r = cli("model=small-llama", "hardware=cpu", "gpus=2", f"strategy={strategy}", "mode=measure", "report=json",
+            "training.seq_len=32", "training.micro_batch_size=1", "training.optimizer=sgd", "training.sgd_momentum=0",
+            "measure.memory_steps=2",
+            "measure.timing_steps=0", "measure.warmup_steps=1", *SMALL_BUCKETS, f"hydra.run.dir={run_dir}",
+            timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    _within_bound(run_dir)
+
+
 def _within_bound(run_dir) -> dict:
     """measure.json, after checking each rank's estimated peak is the plan's and within
     BOUND_PERCENT of its measured peak."""
