@@ -128,10 +128,14 @@ def test_ranks_differ_only_by_their_gradient_partition_and_when_it_appears():
     layout = zero12_layout(t, z, 0)
     ready = {int(t.param[r]): int(t.ready[r]) for r in np.nonzero(t.kind == Kind.GRAD)[0]}
     flush1 = int(layout.ev(ready[1]))  # rank 1's first in-partition flush
-    r0, s1 = layout.reduce_ev(0), layout.step_ev(1)  # the epilogue; the step drops the partition
+    r0 = layout.reduce_ev(0)  # the epilogue
+    norm, s0, s1 = (layout.step_ev(j) for j in range(3))  # the step's norm, flatten, partition dropped
     expected = np.zeros(layout.num_events, np.int64)
     expected[flush1:r0] = 4 * 1200  # only rank 1 holds its partition
     expected[r0:s1] = 4 * (1200 - 1000)  # both do, rank 1's is larger
+    # the norm's fp64 copy of each partition's largest piece: flat [0, 1200), partitions of 600;
+    # rank 0's is 600 embedding elements, rank 1's the other 400
+    expected[norm:s0] += 8 * (400 - 600)
     assert np.array_equal(curves[1] - curves[0], expected)
 
 
@@ -141,13 +145,16 @@ def test_estimate_reports_each_rank_and_the_worst_as_headline():
     est = estimate_memory(traces, Strategy("zero2", "deepspeed", 2), WL32, CPU, ds, DDPConfig(), 2)
     r0, r1 = est.per_rank_peak_allocated_bytes
     assert est.peak_allocated_bytes == max(r0, r1) == r1
-    # Elements beyond what every rank holds all step (flat parameters, master, states): at the end
-    # of backward rank 1 holds the embedding gradient (1000), its partition (1200) and the bucket
-    # (150) = 2350, rank 0 only 1150 (its partition appears at the epilogue, once the embedding
-    # gradient is freed); when the step starts each holds its partition plus the flat and the fp32
-    # gradient partitions (600 + 600): 2400 and 2200. Both peak there, 4 x 200 bytes apart.
-    assert est.peak_phase == "optimizer"
-    assert r1 - r0 == 4 * (1200 - 1000)
+    # Elements (4 bytes) beyond what every rank holds all step (flat parameters, master, states): at
+    # the end of backward rank 1 holds the embedding gradient (1000), its partition (1200) and the
+    # bucket (150) = 2350, rank 0 only 1150 (its partition appears at the epilogue, once the
+    # embedding gradient is freed). The step's norm adds an fp64 copy of the partition's largest
+    # piece (rank 0: 600 embedding elements = 1200 fp32-sized ones, rank 1: 400 -> 800): 2200 and
+    # 2000; then the flat gradient partition (600; the fp32 model's `.to(fp32)` returns it as is):
+    # 1600 and 1800. Rank 1 peaks in backward, with the trace's 8-byte transient after the embedding
+    # gradient, rank 0 at the norm.
+    assert r1 - r0 == 4 * (2350 - 2200) + 8
+    assert est.peak_phase == "backward"
     assert est.rank_peak_allocated_bytes(0) == r0
     ddp = estimate_memory(traces, Strategy("ddp", "ddp"), WL32, CPU, ds, DDPConfig(), 2)
     assert ddp.per_rank_peak_allocated_bytes == ()

@@ -77,6 +77,23 @@ def grads_in_partition_numel(sizes: list[int], dp: int, rank: int | None = None)
     return max(sum(n for n, inside in zip(sizes, partition_mask(sizes, dp, r)) if inside) for r in ranks)
 
 
+def norm_piece_numel(sizes: list[int], dp: int, rank: int | None = None) -> int:
+    """Elements of the largest gradient piece of `rank`'s partition (None: of any rank's), which
+    the gradient norm at the start of `step` converts to fp64: `get_grad_norm_direct` runs
+    `torch.linalg.vector_norm(g.data.to(get_norm_dtype()))` over `averaged_gradients`, each
+    parameter's gradient narrowed to the partition (`get_flat_partition(...,
+    return_tensor_list=True)`), one piece at a time; `get_norm_dtype` is torch.double wherever the
+    device has fp64 (zero/utils.py), CUDA and CPU included."""
+    part = flat_numel(sum(sizes), dp) // dp
+    best = 0
+    for r in range(dp) if rank is None else [rank]:
+        lo, hi, start = r * part, (r + 1) * part, 0
+        for n in sizes:
+            best = max(best, min(start + n, hi) - max(start, lo))
+            start += n
+    return best
+
+
 def fill_buckets(sizes, bucket_numel: float) -> list[list[int]]:
     """Indices of `sizes` (gradients in the order their hooks run) grouped by the reduce bucket
     that reduces them: a gradient that would overflow a non-empty bucket flushes it first, so a
@@ -237,14 +254,14 @@ def zero12_layout(trace: StepTrace, z: ZeroSetup, rank: int | None = None) -> La
     e, m, dp = z.model_bytes, z.master_bytes, z.dp
     flat = flat_numel(sum(sizes), dp)
     part = flat // dp
-    layout = Layout.of(trace, reduce_events=2, step_events=2)
+    layout = Layout.of(trace, reduce_events=2, step_events=3)
     layout.drop_trainable_params()
     off = z.offload_optimizer
     layout.add("flat_16bit_params", "parameters", e * flat)  # __init__: bit16_groups_flat
     layout.add("fp32_master_partition", "optimizer_states", m * part, host=off)  # single_partition_of_fp32_groups
     _states(layout, z, part, 1, host=off)
     r0, r1 = layout.reduce_ev(0), layout.reduce_ev(1)
-    s0, s1, s2 = layout.step_ev(0), layout.step_ev(1), layout.step_ev(2)
+    norm, s0, s1, s2 = (layout.step_ev(j) for j in range(4))
     ready_first = int(layout.ev(first_ready_event(trace)))
     bucket = z.ds.reduce_bucket_size
     in_hooks = z.stage == 2 or z.overlap_comm  # process_gradients: partition_gradients or overlap_comm
@@ -275,9 +292,16 @@ def zero12_layout(trace: StepTrace, z: ZeroSetup, rank: int | None = None) -> La
         gip = at_traced_depth(gip, min(layer_numel(trace) / dp, gip / z.num_layers), trace, z.num_layers)
     flush = r0 if event is None else int(layout.ev(event))
     layout.add("grads_in_partition", "gradients", e * gip, flush, s1)
-    # step(): flatten(averaged_gradients) -> .to(fp32) -> optimizer step -> grad = None
-    layout.add("flat_grad_partition", "gradients", e * part, s0, s1)
-    layout.add("fp32_grad_partition", "gradients", m * part, s0, s2)
+    # step(): the gradient norm (`norm_piece_numel`), then flatten(averaged_gradients) -> .to(the
+    # master dtype) -> optimizer step -> grad = None; `.to` returns the flat tensor itself when the
+    # master partition has the model's dtype (32-true: DeepSpeed's fp32 "master" of an fp32 model)
+    full = full_depth_numels(trace, z.num_layers or trace.num_layers)
+    layout.add("grad_norm_fp64_piece", "gradients", 8 * norm_piece_numel(full, dp, rank), norm, s0)
+    if m == e:
+        layout.add("flat_grad_partition", "gradients", e * part, s0, s2)
+    else:
+        layout.add("flat_grad_partition", "gradients", e * part, s0, s1)
+        layout.add("fp32_grad_partition", "gradients", m * part, s0, s2)
     layout.add("optimizer_step_temporaries", "optimizer_states",
                m * optimizer_step_temp_numel(z.optimizer, [part]), s1, s2)
     return layout
