@@ -204,9 +204,9 @@ class TrainingConfig:
     length_replay_batches: int = 300
     """With a length_profile on a GPU: micro-batches of sampled lengths replayed, the first of a run
     (about 45 ms each for a 7B model with checkpointing; one that repeats a length from unchanged
-    cached segments is skipped, launcher/memory/replay.py `varlen_replay`). The cache keeps growing slowly with more:
-    Llama-2-7B LoRA on Alpaca at 512 tokens holds 0.25 GiB above live bytes at one length and
-    1.05 GiB after 300 batches (scripts/validate_gpu_rows.yaml TT-32)."""
+    cached segments is skipped, launcher/memory/replay.py `varlen_replay`). The cache keeps growing
+    slowly with more: Llama-2-7B LoRA on Alpaca at 512 tokens holds 0.25 GiB above live bytes at
+    one length and 1.05 GiB after 300 batches (scripts/validate_gpu_rows.yaml TT-32)."""
     micro_batch_size: Optional[int] = None
     """Examples per GPU per forward. null = search the largest that fits."""
     global_batch_size: Optional[int] = None

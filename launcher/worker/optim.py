@@ -8,9 +8,9 @@ from launcher.errors import ConfigError
 
 def make_optimizer(name: str, params, learning_rate: float, weight_decay: float, sgd_momentum: float = 0.9):
     """adamw_torch, adamw_torch_foreach: AdamW with foreach=True (one multi-tensor kernel per
-    group, on every device); adamw_torch_fused: AdamW(fused=True); sgd: SGD with momentum `sgd_momentum`; adamw_bnb_8bit /
-    paged_adamw_8bit / paged_adamw_32bit: bitsandbytes.optim.AdamW8bit / PagedAdamW8bit /
-    PagedAdamW32bit; adafactor: transformers'
+    group, on every device); adamw_torch_fused: AdamW(fused=True); sgd: SGD with momentum
+    `sgd_momentum`; adamw_bnb_8bit / paged_adamw_8bit / paged_adamw_32bit:
+    bitsandbytes.optim.AdamW8bit / PagedAdamW8bit / PagedAdamW32bit; adafactor: transformers'
     Adafactor with HF Trainer's optim="adafactor" settings (scale_parameter=False,
     relative_step=False: the learning rate is the given one)."""
     import torch

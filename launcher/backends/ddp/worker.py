@@ -45,8 +45,8 @@ class DDPBackend:
                                                  spec.weight_decay, spec.warmup_steps, spec.sgd_momentum)
             self.scheduler = self.optimizer.scheduler
         else:
-            self.optimizer = make_optimizer(spec.optimizer, model.parameters(), spec.learning_rate, spec.weight_decay,
-                                   spec.sgd_momentum)
+            self.optimizer = make_optimizer(spec.optimizer, model.parameters(), spec.learning_rate,
+                                            spec.weight_decay, spec.sgd_momentum)
             self.scheduler = make_scheduler(self.optimizer, spec.warmup_steps)
         self.scaler = torch.amp.GradScaler("cuda") if plan.grad_scaler else None
         self._autocast_dtype = getattr(torch, plan.autocast_dtype) if plan.autocast_dtype else None

@@ -131,8 +131,8 @@ class FSDP2Backend:
             for module in [*tp_plan.decoder_layers(model), model]:
                 module.set_custom_reduce_scatter(reduce_scatter)
         self.model, self.module, self.mesh, self.tp = model, model, mesh, tp
-        self.optimizer = make_optimizer(spec.optimizer, model.parameters(), spec.learning_rate, spec.weight_decay,
-                                   spec.sgd_momentum)
+        self.optimizer = make_optimizer(spec.optimizer, model.parameters(), spec.learning_rate,
+                                        spec.weight_decay, spec.sgd_momentum)
         self.scheduler = make_scheduler(self.optimizer, spec.warmup_steps)
         self._spec, self._meter = spec, meter
 
