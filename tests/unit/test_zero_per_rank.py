@@ -9,7 +9,7 @@ from launcher.config import DDPConfig, DeepSpeedConfig
 from launcher.measure import memory_rows
 from launcher.memory.estimate import estimate_memory
 from launcher.memory.common import category_curves
-from launcher.backends.deepspeed.layout import (ZeroSetup, full_depth_flush_events, gradient_partitions,
+from launcher.backends.deepspeed.layout import (ZeroSetup, full_depth_flush_events, gradient_partitions, norm_pieces,
                                        grads_in_partition_numel, partition_mask, reduce_events,
                                        zero12_layout)
 from launcher.backends.deepspeed.zero3 import zero3_layout
@@ -88,6 +88,17 @@ def test_partition_membership_follows_get_partition_info():
     assert partition_mask([5, 5], 2, 1) == [False, True]
     # 4 ranks of [0,3): rank 3 starts at 9 = the padding, it holds nothing
     assert [grads_in_partition_numel([5, 5], 4, r) for r in range(4)] == [5, 10, 5, 0]
+
+
+def test_the_gradient_norm_converts_each_partition_piece_alone():
+    # flat [0,1000) [1000,1100) [1100,1200), 2 partitions of 600: rank 0 holds 600 elements of the
+    # first parameter, rank 1 its other 400 and two of 100
+    assert norm_pieces([1000, 100, 100], 2) == [600, 400]
+    # 4 partitions of 300: the first parameter fills three and a third of the fourth
+    assert norm_pieces([1000, 100, 100], 4) == [300, 300, 300, 100]
+    # 10 elements padded to 16 (multiple of 2 x dp), partitions of 4: rank 1 holds 1 + 3 elements,
+    # rank 2 the last 2, rank 3's partition [12,16) is padding only
+    assert norm_pieces([5, 5], 4) == [4, 3, 2, 0]
 
 
 def test_bucket_flushes_happen_at_the_hook_that_overflows():

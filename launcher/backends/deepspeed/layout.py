@@ -77,20 +77,21 @@ def grads_in_partition_numel(sizes: list[int], dp: int, rank: int | None = None)
     return max(sum(n for n, inside in zip(sizes, partition_mask(sizes, dp, r)) if inside) for r in ranks)
 
 
-def norm_piece_numel(sizes: list[int], dp: int, rank: int | None = None) -> int:
-    """Elements of the largest gradient piece of `rank`'s partition (None: of any rank's), which
-    the gradient norm at the start of `step` converts to fp64: `get_grad_norm_direct` runs
+def norm_pieces(sizes: list[int], dp: int) -> list[int]:
+    """Per rank, the elements of the largest gradient piece of its partition, which the gradient
+    norm at the start of `step` converts to fp64: `get_grad_norm_direct` runs
     `torch.linalg.vector_norm(g.data.to(get_norm_dtype()))` over `averaged_gradients`, each
     parameter's gradient narrowed to the partition (`get_flat_partition(...,
     return_tensor_list=True)`), one piece at a time; `get_norm_dtype` is torch.double wherever the
     device has fp64 (zero/utils.py), CUDA and CPU included."""
     part = flat_numel(sum(sizes), dp) // dp
-    best = 0
-    for r in range(dp) if rank is None else [rank]:
-        lo, hi, start = r * part, (r + 1) * part, 0
-        for n in sizes:
-            best = max(best, min(start + n, hi) - max(start, lo))
-            start += n
+    best, start = [0] * dp, 0
+    for n in sizes:
+        end = start + n
+        if n and part:  # the ranks whose partitions this parameter overlaps
+            for r in range(start // part, min(dp - 1, (end - 1) // part) + 1):
+                best[r] = max(best[r], min(end, (r + 1) * part) - max(start, r * part))
+        start = end
     return best
 
 
@@ -296,7 +297,8 @@ def zero12_layout(trace: StepTrace, z: ZeroSetup, rank: int | None = None) -> La
     # master dtype) -> optimizer step -> grad = None; `.to` returns the flat tensor itself when the
     # master partition has the model's dtype (32-true: DeepSpeed's fp32 "master" of an fp32 model)
     full = full_depth_numels(trace, z.num_layers or trace.num_layers)
-    layout.add("grad_norm_fp64_piece", "gradients", 8 * norm_piece_numel(full, dp, rank), norm, s0)
+    pieces = norm_pieces(full, dp)
+    layout.add("grad_norm_fp64_piece", "gradients", 8 * (max(pieces) if rank is None else pieces[rank]), norm, s0)
     if m == e:
         layout.add("flat_grad_partition", "gradients", e * part, s0, s2)
     else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from launcher.backends.base import LayoutSet
 from launcher.backends.deepspeed.emit import unsupported_reason
-from launcher.backends.deepspeed.layout import ZeroSetup, gradient_partitions, zero0_layout, zero12_layout
+from launcher.backends.deepspeed.layout import ZeroSetup, gradient_partitions, norm_pieces, zero0_layout, zero12_layout
 from launcher.backends.deepspeed.zero3 import full_depth_numels, gathered_numels, gathered_param_bytes, zero3_layout
 from launcher.errors import ConfigError
 from launcher.memory.common import DTYPE_BYTES
@@ -62,8 +62,9 @@ def _rank_layouts(traces: TraceSet, strategy: Strategy, workload: Workload, ds, 
         return []
     z = _zero_setup(traces, strategy, workload, ds, dp)
     depths = (traces.depth1, traces.depth2)
+    pieces = norm_pieces(full_depth_numels(traces.depth2, traces.num_layers), dp)  # the step's norm
     groups: dict = {}
-    for rank, key in enumerate(zip(*(gradient_partitions(t, z) for t in depths))):
+    for rank, key in enumerate(zip(*(gradient_partitions(t, z) for t in depths), pieces)):
         groups.setdefault(key, []).append(rank)
     return [(tuple(ranks), [zero12_layout(t, z, ranks[0]) for t in depths]) for ranks in groups.values()]
 
