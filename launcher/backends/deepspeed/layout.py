@@ -293,12 +293,12 @@ def zero12_layout(trace: StepTrace, z: ZeroSetup, rank: int | None = None) -> La
         gip = at_traced_depth(gip, min(layer_numel(trace) / dp, gip / z.num_layers), trace, z.num_layers)
     flush = r0 if event is None else int(layout.ev(event))
     layout.add("grads_in_partition", "gradients", e * gip, flush, s1)
-    # step(): the gradient norm (`norm_piece_numel`), then flatten(averaged_gradients) -> .to(the
-    # master dtype) -> optimizer step -> grad = None; `.to` returns the flat tensor itself when the
-    # master partition has the model's dtype (32-true: DeepSpeed's fp32 "master" of an fp32 model)
-    full = full_depth_numels(trace, z.num_layers or trace.num_layers)
-    pieces = norm_pieces(full, dp)
-    layout.add("grad_norm_fp64_piece", "gradients", 8 * (max(pieces) if rank is None else pieces[rank]), norm, s0)
+    # step(): the gradient norm (`norm_pieces`), then flatten(averaged_gradients) -> .to(the master
+    # dtype) -> optimizer step -> grad = None; `.to` returns the flat tensor itself when the master
+    # partition has the model's dtype (32-true: DeepSpeed's fp32 "master" of an fp32 model)
+    pieces = norm_pieces(full_depth_numels(trace, z.num_layers or trace.num_layers), dp)
+    layout.add("grad_norm_fp64_piece", "gradients", 8 * (max(pieces) if rank is None else pieces[rank]),
+               norm, s0)
     if m == e:
         layout.add("flat_grad_partition", "gradients", e * part, s0, s2)
     else:
