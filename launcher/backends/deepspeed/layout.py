@@ -6,7 +6,8 @@ engine and its optimizer wrapper allocate is added here, each term citing the co
 Which wrapper runs (engine.py `_do_optimizer_sanity_check`, grad_accum_dtype left unset so it
 equals the model dtype): stage 0 + fp32, and stage 0 + bf16-true (a bf16 model with no bf16
 section in ds_config, launcher/backends/deepspeed/emit.py) -> the client optimizer itself; stage 0 + bf16/fp16 ->
-`FP16_Optimizer` (fp16/fused_optimizer.py, also for bf16 as DDP_BFLOAT16); stages 1-2 ->
+`FP16_UnfusedOptimizer` (fp16/unfused_optimizer.py, also for bf16 as DDP_BFLOAT16; the flat
+`FP16_Optimizer` only wraps a FusedAdam); stages 1-2 ->
 `DeepSpeedZeroOptimizer` (zero/stage_1_and_2.py); stage 3 -> zero3.py.
 """
 from __future__ import annotations
@@ -229,22 +230,23 @@ def zero0_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
         layout.add("optimizer_step_temporaries", "optimizer_states",
                    e * optimizer_step_temp_numel(z.optimizer, sizes), layout.step_ev(0), layout.step_ev(1))
         return layout
-    # FP16_Optimizer (fp16/fused_optimizer.py)
-    layout = Layout.of(trace, reduce_events=1, step_events=2)
-    layout.drop_trainable_params()
-    layout.add("flat_16bit_params", "parameters", e * total)  # __init__: fp16_groups_flat
-    layout.add("fp32_master", "optimizer_states", 4 * total)  # __init__: fp32_groups_flat
-    _states(layout, z, total, 1, host=False)  # initialize_optimizer_states: optimizer.step() at init
+    # FP16_UnfusedOptimizer (fp16/unfused_optimizer.py): `_configure_fp16_optimizer` (engine.py)
+    # takes the flat FP16_Optimizer only for a FusedAdam client optimizer; the worker's, and the
+    # stand-alone config's (`torch_adam`), is torch's. The model keeps its own 16-bit parameters.
+    layout = Layout.of(trace, reduce_events=1, step_events=3)
+    layout.add("fp32_master", "optimizer_states", 4 * total)  # __init__: p.clone().float() per parameter
+    _states(layout, z, total, len(sizes), host=False)  # initialize_optimizer_states: optimizer.step() at init
     layout.add("allreduce_flat", "buffers", largest * e, layout.reduce_ev(0), layout.reduce_ev(1),
                cap=e * max(largest, z.ds.reduce_bucket_size))
-    s0, s1, s2 = layout.step_ev(0), layout.step_ev(1), layout.step_ev(2)
-    # step(): [p.grad.to(fp32) ...] then _flatten_dense_tensors -> fp32 flat grad; p.grad = None
-    layout.add("fp32_grad_list", "gradients", 4 * total, s0, s1)
-    layout.add("fp32_flat_grad", "gradients", 4 * total, s0, s2)
-    g = layout.rows(Kind.GRAD)
-    layout.free[g] = s1
+    norm, s0, s1, s2 = (layout.step_ev(j) for j in range(4))
+    # step(): get_weight_norm (runtime/utils.py) takes `p.data.float().norm()` of one gradient at a time
+    layout.add("grad_norm_fp32_piece", "gradients", 4 * max(sizes, default=0), norm, s0)
+    # then `fp32_param.grad = fp16_param.grad.to(fp32)` for every parameter; after optimizer.step()
+    # each fp32 gradient is dropped as its master is copied back. The 16-bit gradients stay until
+    # the engine's zero_grad after the step.
+    layout.add("fp32_grads", "gradients", 4 * total, s0, s2)
     layout.add("optimizer_step_temporaries", "optimizer_states",
-               4 * optimizer_step_temp_numel(z.optimizer, [total]), s1, s2)
+               4 * optimizer_step_temp_numel(z.optimizer, sizes), s1, s2)
     return layout
 
 
