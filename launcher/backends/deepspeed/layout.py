@@ -221,11 +221,13 @@ def zero0_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
     total = sum(sizes)
     largest = max(no_retain_buckets(sizes), default=0) if len(sizes) > 1 else 0
     e = z.model_bytes
+    # at any depth a bucket holds at most MEMORY_OPT_ALLREDUCE_SIZE elements plus the gradient that
+    # overflows it (`no_retain_buckets`); `reduce_bucket_size` is not used at stage 0
+    cap = e * max(largest, MEMORY_OPT_ALLREDUCE_SIZE + max(sizes, default=0))
     if z.master_bytes == e:  # no wrapper: the client optimizer steps the model's own parameters
         # (fp32; or bf16-true, whose ds_config enables no bf16 mode: states in the parameters' dtype)
         layout = Layout.of(trace, reduce_events=1, step_events=1)
-        layout.add("allreduce_flat", "buffers", largest * e, layout.reduce_ev(0), layout.reduce_ev(1),
-                   cap=e * max(largest, z.ds.reduce_bucket_size))
+        layout.add("allreduce_flat", "buffers", largest * e, layout.reduce_ev(0), layout.reduce_ev(1), cap=cap)
         _states(layout, z, total, len(sizes), host=False)
         layout.add("optimizer_step_temporaries", "optimizer_states",
                    e * optimizer_step_temp_numel(z.optimizer, sizes), layout.step_ev(0), layout.step_ev(1))
@@ -236,8 +238,7 @@ def zero0_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
     layout = Layout.of(trace, reduce_events=1, step_events=3)
     layout.add("fp32_master", "optimizer_states", 4 * total)  # __init__: p.clone().float() per parameter
     _states(layout, z, total, len(sizes), host=False)  # initialize_optimizer_states: optimizer.step() at init
-    layout.add("allreduce_flat", "buffers", largest * e, layout.reduce_ev(0), layout.reduce_ev(1),
-               cap=e * max(largest, z.ds.reduce_bucket_size))
+    layout.add("allreduce_flat", "buffers", largest * e, layout.reduce_ev(0), layout.reduce_ev(1), cap=cap)
     norm, s0, s1, s2 = (layout.step_ev(j) for j in range(4))
     # step(): get_weight_norm (runtime/utils.py) takes `p.data.float().norm()` of one gradient at a time
     layout.add("grad_norm_fp32_piece", "gradients", 4 * max(sizes, default=0), norm, s0)
