@@ -211,6 +211,13 @@ def trainable_params(trace: StepTrace) -> list[int]:
     return [i for i in distinct_params(trace) if trace.params.trainable[i]]
 
 
+def trainable_shapes(trace: StepTrace) -> list[tuple]:
+    """The shapes of `trainable_params` (their numels as 1-D shapes when the trace kept none): what
+    an optimizer stepping the parameters themselves sees (Adafactor factors the 2-D ones)."""
+    p = trace.params
+    return [tuple(p.shapes[i]) if p.shapes else (int(p.numel[i]),) for i in trainable_params(trace)]
+
+
 def distinct_params(trace: StepTrace) -> list[int]:
     """Indices of every distinct parameter, trainable or frozen (tied copies dropped)."""
     return [i for i in range(len(trace.params.names)) if trace.params.tied_to[i] < 0]

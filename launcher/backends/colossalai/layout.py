@@ -22,7 +22,8 @@ from launcher.backends.colossalai.gemini import gemini_bytes, search_chunk_size
 from launcher.backends.ddp.layout import DDP_NOTES, bucket_bytes, ddp_layout
 from launcher.backends.deepspeed.zero3 import full_depth_numels
 from launcher.errors import ConfigError
-from launcher.memory.common import (DTYPE_BYTES, Layout, grad_ready_order, optimizer_state_numel_factor,
+from launcher.memory.common import (DTYPE_BYTES, Layout, add_modelled_states, grad_ready_order,
+                                    optimizer_state_numel_factor,
                                     optimizer_step_scalar_bytes, optimizer_step_temp_numel, trainable_params)
 from launcher.backends.colossalai.rules import PLUGIN
 from launcher.backends.colossalai.runtime import uses_shardformer
@@ -202,11 +203,17 @@ def hybrid_stage0_layout(trace: StepTrace, z: ZeroSetup, ddp_bucket_bytes: list[
     total = sum(numels)
     for j, nbytes in enumerate(ddp_bucket_bytes):
         layout.add(f"ddp_bucket_{j}", "gradients" if bucket_views else "buffers", nbytes)
-    k = optimizer_state_numel_factor(z.optimizer)
-    layout.add("optimizer_states", "optimizer_states",
-               4 * k * total + optimizer_step_scalar_bytes(z.optimizer, len(numels)))
+    p = trace.params  # the torch optimizer steps each parameter (or its fp32 master) itself
+    if not add_modelled_states(layout, z.optimizer, [tuple(p.shapes[i]) if p.shapes else (int(p.numel[i]),)
+                                                     for i in idx]):
+        k = optimizer_state_numel_factor(z.optimizer)
+        layout.add("optimizer_states", "optimizer_states",
+                   4 * k * total + optimizer_step_scalar_bytes(z.optimizer, len(numels)))
     s0, s1, s2 = layout.step_ev(0), layout.step_ev(1), layout.step_ev(2)
-    layout.free[layout.rows(Kind.GRAD)] = s2 if z.model_bytes == 4 else s1
+    # 16-bit: MixedPrecisionOptimizer.step (amp/naive_amp/mixed_precision_optimizer.py) sets each
+    # master's `p.grad = working_param.grad.data.float()` and drops the working gradient at once,
+    # before the norm
+    layout.free[layout.rows(Kind.GRAD)] = s2 if z.model_bytes == 4 else s0
     if bucket_views and ddp_bucket_bytes:
         g = layout.rows(Kind.GRAD) & (trace.ready >= 0)
         layout.free[g] = layout.ev(trace.ready[g])

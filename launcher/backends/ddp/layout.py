@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from launcher.backends.base import LayoutSet
 from launcher.config import DDPConfig
-from launcher.memory.common import Layout, add_modelled_states, grad_ready_order, trainable_params
+from launcher.memory.common import Layout, add_modelled_states, grad_ready_order, trainable_params, trainable_shapes
 from launcher.precision import TRACE_OPTIMIZER, torch_trace_request
 from launcher.steptrace import Kind, StepTrace
 
@@ -57,8 +57,7 @@ def ddp_layout(trace: StepTrace, ddp: DDPConfig, dp_size: int, optimizer: str = 
     layout = Layout.of(trace, step_events=1 if untraced else 0)
     layout.hoist_persistent(Kind.OPTIM)
     if untraced:
-        add_modelled_states(layout, optimizer, [p.shapes[i] if p.shapes else (int(p.numel[i]),)
-                                                for i in trainable_params(trace)])
+        add_modelled_states(layout, optimizer, trainable_shapes(trace))
     if not wrapped:
         return layout
     buckets = bucket_bytes(trace, ddp.bucket_cap_mb)

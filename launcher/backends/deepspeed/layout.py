@@ -22,7 +22,8 @@ from launcher.steptrace import Kind, StepTrace
 from launcher.memory.common import (Layout, at_traced_depth, first_ready_event, free_at_next_ready,
                      full_depth_numels, grad_ready_order, layer_numel, add_modelled_states,
                      optimizer_state_numel_factor,
-                     optimizer_step_scalar_bytes, optimizer_step_temp_numel, trainable_params)
+                     optimizer_step_scalar_bytes, optimizer_step_temp_numel, trainable_params,
+                     trainable_shapes)
 
 NCCL_START_ALIGNMENT_FACTOR = 2  # zero/stage_1_and_2.py __init__: "4-byte alignment/sizeof(fp16)"
 MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000  # engine.py: stage-0 allreduce bucket, in elements
@@ -204,12 +205,15 @@ def rank_gradient_partition(trace: StepTrace, z: ZeroSetup, rank: int | None) ->
             first_flush_event(trace, z.ds.reduce_bucket_size) if in_hooks else None)
 
 
-def _states(layout: Layout, z: ZeroSetup, numel: int, num_tensors: int, host: bool) -> None:
-    if add_modelled_states(layout, z.optimizer, [(numel,)], z.master_bytes, host):  # one flat partition
+def _states(layout: Layout, z: ZeroSetup, shapes: list[tuple], host: bool) -> None:
+    """The optimizer states of the tensors it steps (`shapes`: one flat partition at ZeRO 1-2, each
+    parameter at ZeRO-0), in the master dtype."""
+    if add_modelled_states(layout, z.optimizer, shapes, z.master_bytes, host):
         return
+    numel = sum(math.prod(s) for s in shapes)
     k = optimizer_state_numel_factor(z.optimizer)
     layout.add("optimizer_states", "optimizer_states",
-               k * z.master_bytes * numel + optimizer_step_scalar_bytes(z.optimizer, num_tensors),
+               k * z.master_bytes * numel + optimizer_step_scalar_bytes(z.optimizer, len(shapes)),
                host=host)
 
 
@@ -228,7 +232,7 @@ def zero0_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
         # (fp32; or bf16-true, whose ds_config enables no bf16 mode: states in the parameters' dtype)
         layout = Layout.of(trace, reduce_events=1, step_events=1)
         layout.add("allreduce_flat", "buffers", largest * e, layout.reduce_ev(0), layout.reduce_ev(1), cap=cap)
-        _states(layout, z, total, len(sizes), host=False)
+        _states(layout, z, trainable_shapes(trace), host=False)
         layout.add("optimizer_step_temporaries", "optimizer_states",
                    e * optimizer_step_temp_numel(z.optimizer, sizes), layout.step_ev(0), layout.step_ev(1))
         return layout
@@ -237,7 +241,7 @@ def zero0_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
     # stand-alone config's (`torch_adam`), is torch's. The model keeps its own 16-bit parameters.
     layout = Layout.of(trace, reduce_events=1, step_events=3)
     layout.add("fp32_master", "optimizer_states", 4 * total)  # __init__: p.clone().float() per parameter
-    _states(layout, z, total, len(sizes), host=False)  # initialize_optimizer_states: optimizer.step() at init
+    _states(layout, z, trainable_shapes(trace), host=False)  # initialize_optimizer_states: optimizer.step() at init
     layout.add("allreduce_flat", "buffers", largest * e, layout.reduce_ev(0), layout.reduce_ev(1), cap=cap)
     norm, s0, s1, s2 = (layout.step_ev(j) for j in range(4))
     # step(): get_weight_norm (runtime/utils.py) takes `p.data.float().norm()` of one gradient at a time
@@ -263,7 +267,7 @@ def zero12_layout(trace: StepTrace, z: ZeroSetup, rank: int | None = None) -> La
     off = z.offload_optimizer
     layout.add("flat_16bit_params", "parameters", e * flat)  # __init__: bit16_groups_flat
     layout.add("fp32_master_partition", "optimizer_states", m * part, host=off)  # single_partition_of_fp32_groups
-    _states(layout, z, part, 1, host=off)
+    _states(layout, z, [(part,)], host=off)  # one flat partition
     r0, r1 = layout.reduce_ev(0), layout.reduce_ev(1)
     norm, s0, s1, s2 = (layout.step_ev(j) for j in range(4))
     ready_first = int(layout.ev(first_ready_event(trace)))

@@ -133,7 +133,7 @@ def zero3_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
     # _create_fp32_partitions: fp32 master of the partitions, one flat tensor per sub-group
     groups = sub_groups(parts, z.ds.sub_group_size)
     layout.add("fp32_master_partition", "optimizer_states", m * total_part, host=off_opt)
-    _states(layout, z, total_part, len(groups), host=off_opt)
+    _states(layout, z, [(n,) for n in groups], host=off_opt)  # one flat tensor per sub-group
     # _setup_for_real_optimizer: the ipg bucket (contiguous_gradients) and the gradient partitions
     # (`grad_partitions_flat_buffer`, on `self.device`: host with optimizer offload)
     if z.ds.contiguous_gradients:
