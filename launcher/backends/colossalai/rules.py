@@ -2,6 +2,8 @@
 names the plugin of each strategy, launcher/backends/colossalai/worker.py runs it)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from launcher.backends.base import Ask, Rules
 from launcher.types import Strategy
 
@@ -17,12 +19,28 @@ WHY = {
     "processes": "tensor/pipeline parallelism needs gpus >= 2",
 }
 NO_LORA = frozenset({"none"})
+ADAMW = frozenset({"adamw_torch", "adamw_torch_fused", "adamw_torch_foreach"})
+# optimizers whose states ColossalAI's checkpoint IO can save from sharded parameters: every state
+# has the parameter's shape, or is a 0-dim step count
+SHAPED_STATES = ADAMW | {"sgd"}
+UNSHAPED_STATES = ("ColossalAI's checkpoint IO reshapes every optimizer state to its parameter's "
+                   "(low_level_optim.py `state_dict`, hybrid_parallel_checkpoint_io.py "
+                   "`gather_from_sharded_optimizer_state`), which Adafactor's factored and bitsandbytes' "
+                   "8-bit states are not: use adamw_torch or sgd")
+SHARDED_WHY = {**WHY, **{o: UNSHAPED_STATES for o in ("adafactor", "adamw_bnb_8bit", "paged_adamw_8bit",
+                                                      "paged_adamw_32bit")}}
+GEMINI_WHY = {**WHY, "cpu": "GeminiPlugin has no CPU path (fp32 unsupported, bf16 chunk handling fails)",
+              **{o: "GeminiOptimizer steps only ColossalAI's FusedAdam, CPUAdam or HybridAdam "
+                    "(gemini_optimizer.py `_AVAIL_OPTIM_LIST`): the worker runs HybridAdam in AdamW mode, "
+                    "use adamw_torch" for o in ("sgd", "adafactor", "adamw_bnb_8bit", "paged_adamw_8bit",
+                                               "paged_adamw_32bit")}}
 DDP_LIKE = Rules(precisions={"cuda": TORCH - {"16-true"}, "cpu": TORCH - {"16-true"}}, peft=NO_LORA, why=WHY)
-ZERO = Rules(precisions={"cuda": PLUGIN, "cpu": PLUGIN}, peft=NO_LORA, why=WHY)
-GEMINI_RULES = Rules(precisions={"cuda": GEMINI}, peft=NO_LORA,
-                     why={**WHY, "cpu": "GeminiPlugin has no CPU path (fp32 unsupported, bf16 chunk handling fails)"})
-TP = Rules(precisions={"cuda": PLUGIN, "cpu": PLUGIN}, peft=NO_LORA, min_processes=2, why=WHY)
+ZERO = Rules(precisions={"cuda": PLUGIN, "cpu": PLUGIN}, optimizers=SHAPED_STATES, peft=NO_LORA, why=SHARDED_WHY)
+GEMINI_RULES = Rules(precisions={"cuda": GEMINI}, optimizers=ADAMW, peft=NO_LORA, why=GEMINI_WHY)
+TP = Rules(precisions={"cuda": PLUGIN, "cpu": PLUGIN}, optimizers=SHAPED_STATES, peft=NO_LORA, min_processes=2,
+           why=SHARDED_WHY)
 PP = Rules(precisions={"cuda": PLUGIN, "cpu": PLUGIN}, peft=NO_LORA, min_processes=2, why=WHY)
+PP_SHARDED = replace(PP, optimizers=SHAPED_STATES, why=SHARDED_WHY)
 
 
 def rules(strategy: Strategy) -> Rules:
@@ -30,8 +48,8 @@ def rules(strategy: Strategy) -> Rules:
         return DDP_LIKE
     if strategy.name == "cai_gemini":
         return GEMINI_RULES
-    if strategy.pp_size > 1 or strategy.name == "cai_pp":
-        return PP
+    if strategy.pp_size > 1 or strategy.name == "cai_pp":  # sharded states: tensor-parallel or ZeRO
+        return PP if strategy.tp_size == 1 and strategy.zero_stage == 0 else PP_SHARDED
     if strategy.tp_size > 1 or strategy.name == "cai_tp":
         return TP
     return ZERO

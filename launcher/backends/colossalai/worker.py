@@ -5,7 +5,9 @@ colossalai.booster.plugin>, "kwargs": {...}} (launcher/backends/colossalai/emit.
 
 - The optimizer is a torch optimizer (`make_optimizer`): ColossalAI's HybridAdam / CPUAdam are
   kernels built with CUDA headers (colossalai/kernel/kernel_loader.py), and a torch optimizer
-  keeps the update identical to the other backends.
+  keeps the update identical to the other backends. GeminiPlugin is the exception: its
+  GeminiOptimizer steps only FusedAdam, CPUAdam or HybridAdam (zero/gemini/gemini_optimizer.py
+  `_AVAIL_OPTIM_LIST`), so Gemini gets HybridAdam in AdamW mode (`gemini_optimizer`).
 - TorchDDPPlugin keeps fp32 parameters; mixed precision is torch autocast around the forward, as
   in the DDP backend. LowLevelZeroPlugin, GeminiPlugin and HybridParallelPlugin cast the model
   to their `precision` themselves and keep fp32 master weights, so no autocast there.
@@ -81,6 +83,19 @@ def _loss_of(outputs, batch):
     return outputs.loss
 
 
+def gemini_optimizer(name: str, params, learning_rate: float, weight_decay: float):
+    """ColossalAI's HybridAdam with decoupled weight decay (adamw_mode=True, AdamW's update) for
+    GeminiPlugin, which refuses torch optimizers; its fused CUDA kernel is loaded, or built, by
+    ColossalAI's kernel loader on first use. Only the AdamW names reach here
+    (launcher/backends/colossalai/rules.py GEMINI_RULES)."""
+    if name not in ("adamw_torch", "adamw_torch_fused", "adamw_torch_foreach"):
+        raise ConfigError(f"training.optimizer={name}: GeminiPlugin runs HybridAdam only; use adamw_torch")
+    from colossalai.nn.optimizer import HybridAdam
+
+    return HybridAdam([p for p in params if p.requires_grad], lr=learning_rate, weight_decay=weight_decay,
+                      adamw_mode=True)
+
+
 class ColossalAIBackend:
     def __init__(self, model, spec, env, plan, meter) -> None:
         import torch
@@ -90,8 +105,10 @@ class ColossalAIBackend:
         name, kwargs = spec.framework_config["plugin"], dict(spec.framework_config.get("kwargs", {}))
         self.plugin = plugin_class(name)(**kwargs)
         self.booster = Booster(plugin=self.plugin)
-        optimizer = make_optimizer(spec.optimizer, model.parameters(), spec.learning_rate, spec.weight_decay,
-                                   spec.sgd_momentum)
+        optimizer = (gemini_optimizer(spec.optimizer, model.parameters(), spec.learning_rate, spec.weight_decay)
+                     if name == "GeminiPlugin" else
+                     make_optimizer(spec.optimizer, model.parameters(), spec.learning_rate, spec.weight_decay,
+                                    spec.sgd_momentum))
         self.model, self.optimizer, *_ = self.booster.boost(model, optimizer)
         self._torch_optimizer = optimizer
         self.scheduler = make_scheduler(optimizer, spec.warmup_steps)
