@@ -134,6 +134,18 @@ def test_zero_model_states_match_the_paper_with_tiny_buckets(dp):
     assert got[1] <= stage0
 
 
+def test_zero1_reduce_walk_moves_small_gradients_into_the_bucket_before_the_partition_is_allocated():
+    from launcher.backends.deepspeed.layout import stage1_unmoved_numel
+    # flat [0,100) [100,200) [200,300) [300,1300) [1300,1400), dp=2 -> partitions [0,700) [700,1400):
+    # rank 0 holds parameters 0-3, rank 1 parameter 3 (crossing 700) and 4. Buckets of 250 elements
+    # in parameter order: [0, 1] [2] [3] (larger than a bucket: alone, never copied into it) [4].
+    sizes = [100, 100, 100, 1000, 100]
+    assert stage1_unmoved_numel(sizes, 2, 250, 0) == 1400 - 200  # at the first flush
+    assert stage1_unmoved_numel(sizes, 2, 250, 1) == 1400 - 300  # at the flush of [3]
+    assert stage1_unmoved_numel(sizes, 2, 250, None) == 1200  # rank 0: the bound
+    assert stage1_unmoved_numel(sizes, 2, 250, 1, contiguous_gradients=False) == 1400
+
+
 def test_zero2_gradient_partition_holds_whole_parameters_overlapping_the_partition():
     from launcher.backends.deepspeed.layout import grads_in_partition_numel
     # flat [0,10) [10,30) [30,40), dp=2 -> partitions [0,20) [20,40): rank 1 holds 20 + 10

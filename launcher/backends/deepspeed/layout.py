@@ -139,6 +139,27 @@ def reduce_events(trace: StepTrace, bucket_numel: int) -> dict:
     return out
 
 
+def stage1_unmoved_numel(sizes: list[int], dp: int, bucket_numel: int, rank: int | None,
+                         contiguous_gradients: bool = True) -> int:
+    """Gradient elements still in their parameters' own storages when ZeRO-1's `reduce_gradients`
+    (no overlap_comm) allocates `rank`'s grads_in_partition. The walk goes in parameter order
+    (`fill_buckets`); with contiguous_gradients each gradient of at most `reduce_bucket_size`
+    elements is copied into the ipg bucket as it is added and its own storage dropped
+    (`reduce_independent_p_g_buckets_and_remove_grads`: `grad_reduc.data = new_grad_tensor...`),
+    larger ones stay; grads_in_partition comes at the flush of the first bucket holding a parameter
+    of the rank's partition (`partition_mask`; `copy_grads_in_partition`). `rank` None: rank 0, the
+    first to allocate it, a bound over ranks. Without contiguous_gradients nothing is moved."""
+    if not contiguous_gradients:
+        return sum(sizes)
+    inside = partition_mask(sizes, dp, rank or 0)
+    moved = 0
+    for group in fill_buckets(sizes, bucket_numel):
+        moved += sum(sizes[k] for k in group if sizes[k] <= bucket_numel)
+        if any(inside[k] for k in group):
+            break
+    return sum(sizes) - moved
+
+
 def first_flush_event(trace: StepTrace, bucket_numel: int):
     """The traced ready event at which the reduce bucket first overflows (`reduce_events`), else
     None (first flush at the epilogue)."""
@@ -285,12 +306,9 @@ def zero12_layout(trace: StepTrace, z: ZeroSetup, rank: int | None = None) -> La
         free_at_next_ready(layout, g & ~small, r0)
     else:  # stage 1: reduce_gradients after backward walks the parameters in order
         layout.free[g] = r0
-        first_bucket = 0
-        for n in sizes:
-            if first_bucket + n > bucket:
-                break
-            first_bucket += n
-        layout.add("grads_awaiting_reduction", "gradients", e * (sum(sizes) - first_bucket), r0, r1)
+        layout.add("grads_awaiting_reduction", "gradients",
+                   e * stage1_unmoved_numel(sizes, dp, bucket, None if off else rank, z.ds.contiguous_gradients),
+                   r0, r1)
     if off:
         _offload_terms(layout, z, sizes, part)
         return layout
