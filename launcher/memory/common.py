@@ -322,6 +322,16 @@ def optimizer_step_temp_numel(optimizer: str, tensor_numels: list[int]) -> int:
     return 0
 
 
+def optimizer_step_temp_bytes(optimizer: str, tensor_numels: list[int], elem_bytes: int) -> int:
+    """Bytes of the step's temporaries (`optimizer_step_temp_numel`) over tensors of `elem_bytes` per
+    element. transformers' Adafactor steps a 16-bit parameter through fp32 copies
+    (transformers/optimization.py Adafactor.step: `grad = grad.float()`, `p_data_fp32 = p.float()`),
+    alive with the two fp32 temporaries of its update: 16 bytes per element of the largest."""
+    if optimizer == "adafactor" and elem_bytes < 4 and tensor_numels:
+        return 16 * int(max(tensor_numels))
+    return elem_bytes * optimizer_step_temp_numel(optimizer, tensor_numels)
+
+
 BNB_OPTIMIZERS = ("adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
 
 
@@ -341,8 +351,8 @@ def modelled_state_bytes(optimizer: str, shapes: list, state_bytes: int = 4) -> 
     default)."""
     if optimizer in BNB_OPTIMIZERS:
         return _bnb_states(optimizer, shapes)["total_bytes"]
-    if optimizer == "adafactor":
-        return quant.adafactor_state_bytes(shapes, dtype_bytes=state_bytes)["total_bytes"]
+    if optimizer == "adafactor":  # fp32 whatever the parameters' dtype: made from `grad.float()`
+        return quant.adafactor_state_bytes(shapes, dtype_bytes=max(state_bytes, 4))["total_bytes"]
     return None
 
 

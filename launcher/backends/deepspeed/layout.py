@@ -22,7 +22,7 @@ from launcher.steptrace import Kind, StepTrace
 from launcher.memory.common import (Layout, at_traced_depth, first_ready_event, free_at_next_ready,
                      full_depth_numels, grad_ready_order, layer_numel, add_modelled_states,
                      optimizer_state_numel_factor,
-                     optimizer_step_scalar_bytes, optimizer_step_temp_numel, trainable_params,
+                     optimizer_step_scalar_bytes, optimizer_step_temp_bytes, trainable_params,
                      trainable_shapes)
 
 NCCL_START_ALIGNMENT_FACTOR = 2  # zero/stage_1_and_2.py __init__: "4-byte alignment/sizeof(fp16)"
@@ -255,7 +255,7 @@ def zero0_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
         layout.add("allreduce_flat", "buffers", largest * e, layout.reduce_ev(0), layout.reduce_ev(1), cap=cap)
         _states(layout, z, trainable_shapes(trace), host=False)
         layout.add("optimizer_step_temporaries", "optimizer_states",
-                   e * optimizer_step_temp_numel(z.optimizer, sizes), layout.step_ev(0), layout.step_ev(1))
+                   optimizer_step_temp_bytes(z.optimizer, sizes, e), layout.step_ev(0), layout.step_ev(1))
         return layout
     # FP16_UnfusedOptimizer (fp16/unfused_optimizer.py): `_configure_fp16_optimizer` (engine.py)
     # takes the flat FP16_Optimizer only for a FusedAdam client optimizer; the worker's, and the
@@ -272,7 +272,7 @@ def zero0_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
     # the engine's zero_grad after the step.
     layout.add("fp32_grads", "gradients", 4 * total, s0, s2)
     layout.add("optimizer_step_temporaries", "optimizer_states",
-               4 * optimizer_step_temp_numel(z.optimizer, sizes), s1, s2)
+               optimizer_step_temp_bytes(z.optimizer, sizes, 4), s1, s2)
     return layout
 
 
@@ -330,7 +330,7 @@ def zero12_layout(trace: StepTrace, z: ZeroSetup, rank: int | None = None) -> La
         layout.add("flat_grad_partition", "gradients", e * part, s0, s1)
         layout.add("fp32_grad_partition", "gradients", m * part, s0, s2)
     layout.add("optimizer_step_temporaries", "optimizer_states",
-               m * optimizer_step_temp_numel(z.optimizer, [part]), s1, s2)
+               optimizer_step_temp_bytes(z.optimizer, [part], m), s1, s2)
     return layout
 
 
@@ -347,4 +347,4 @@ def _offload_terms(layout: Layout, z: ZeroSetup, sizes: list[int], part: int) ->
     layout.add("device_grad_staging", "buffers", e * largest)
     s0, s1 = layout.step_ev(0), layout.step_ev(1)
     layout.add("optimizer_step_temporaries", "optimizer_states",
-               m * optimizer_step_temp_numel(z.optimizer, [part]), s0, s1, host=True)
+               optimizer_step_temp_bytes(z.optimizer, [part], m), s0, s1, host=True)

@@ -22,7 +22,7 @@ import math
 from launcher.steptrace import Kind, Role, StepTrace
 
 from launcher.memory.common import (Layout, distinct_params, four_bit_params, free_at_next_ready,  # noqa: F401
-                     full_depth_numels, grad_ready_order, optimizer_step_temp_numel, trainable_params)
+                     full_depth_numels, grad_ready_order, optimizer_step_temp_bytes, trainable_params)
 from launcher.backends.deepspeed.layout import ZeroSetup, _states, numels
 
 
@@ -158,14 +158,14 @@ def zero3_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
     bound = max(largest, z.ds.sub_group_size)
     if off_opt:
         layout.add("optimizer_step_temporaries", "optimizer_states",
-                   m * optimizer_step_temp_numel(z.optimizer, [largest]), s0, s2, host=True)
+                   optimizer_step_temp_bytes(z.optimizer, [largest], m), s0, s2, host=True)
         return layout
     # _prepare_fp32_grad_for_sub_group: flatten(averaged_gradients).to(fp32), one sub-group at a time
     layout.add("flat_grad_sub_group", "gradients", e * largest, s0, s1, cap=e * bound)
     layout.add("fp32_grad_sub_group", "gradients", m * largest, s0, s2, cap=m * bound)
     layout.add("optimizer_step_temporaries", "optimizer_states",
-               m * optimizer_step_temp_numel(z.optimizer, [largest]), s1, s2,
-               cap=m * optimizer_step_temp_numel(z.optimizer, [bound]))
+               optimizer_step_temp_bytes(z.optimizer, [largest], m), s1, s2,
+               cap=optimizer_step_temp_bytes(z.optimizer, [bound], m))
     return layout
 
 
