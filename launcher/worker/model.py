@@ -16,6 +16,7 @@ from launcher import checkpointing
 from launcher.errors import ConfigError
 from launcher.peft import LoraSettings
 from launcher.peft import apply_lora, quantize_base_4bit
+from launcher.precision import FRAMEWORK
 
 PRECISIONS = ("32-true", "bf16-true", "bf16-mixed", "16-mixed")
 
@@ -30,7 +31,11 @@ class PrecisionPlan:
 def precision_plan(precision: str, backend: str, device: str) -> PrecisionPlan:
     if precision not in PRECISIONS:
         raise ConfigError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
-    if backend == "deepspeed" or precision == "32-true":
+    if backend == "deepspeed":  # built in the dtype the engine casts it to (launcher/precision.py FRAMEWORK),
+        # as from_pretrained(dtype=...) loads it: the cast is then a no-op and no fp32 copy of a
+        # 16-bit model is ever held (on CPU processes the host is the device)
+        return PrecisionPlan(FRAMEWORK.get(precision, "float32"), None, False)
+    if precision == "32-true":
         return PrecisionPlan("float32", None, False)
     if precision == "bf16-true":
         return PrecisionPlan("bfloat16", None, False)

@@ -123,8 +123,9 @@ def test_precision_plan() -> None:
     assert (mixed.model_dtype, mixed.autocast_dtype) == ("float32", "bfloat16")
     assert precision_plan("16-mixed", "ddp", "cuda").grad_scaler
     assert not precision_plan("16-mixed", "ddp", "cpu").grad_scaler
-    ds = precision_plan("bf16-mixed", "deepspeed", "cpu")  # the ds_config casts
-    assert (ds.model_dtype, ds.autocast_dtype) == ("float32", None)
+    ds = precision_plan("bf16-mixed", "deepspeed", "cpu")  # built as the ds_config casts it: no fp32 copy
+    assert (ds.model_dtype, ds.autocast_dtype) == ("bfloat16", None)
+    assert precision_plan("32-true", "deepspeed", "cpu").model_dtype == "float32"
     with pytest.raises(ConfigError):
         precision_plan("fp8", "ddp", "cpu")
 
