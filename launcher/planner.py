@@ -228,8 +228,8 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
         accum = backend_of(strategy).grad_accum(strategy, config, accum)
     knobs = registry.knobs(config)
     varlen = varlen_run(config, spec, cluster, strategy, wl, lora)
-    mem = memory_model.estimate(traces, strategy, wl, cluster, knobs, dp, attention_workspace(spec, strategy, wl),
-                                replay_memo=replay_memo, varlen=varlen)
+    mem = memory_model.estimate(traces, strategy, replace(wl, grad_accum_steps=accum), cluster, knobs, dp,
+                                attention_workspace(spec, strategy, wl), replay_memo=replay_memo, varlen=varlen)
     mem = replace(mem, notes=tuple(mem.notes) + trace.trace_notes(trace_key(spec, strategy, wl, lora)))
     if cluster.device == "cuda" and lora is not None and lora.quant_type == "torchao_nf4":
         mem = torchao_build.with_build(mem, traces, config.peft.nf4_quantize_chunk, replay_memo)

@@ -20,6 +20,7 @@ class Workload:
     causal_lm_loss: str = "model"  # model | fp32_shift_copy (training.causal_lm_loss)
     optimizer_in_backward: bool = False  # each parameter stepped in its gradient hook (training.optimizer_in_backward)
     sgd_momentum: float = 0.9  # training.sgd_momentum (with optimizer sgd; 0 = no momentum buffers)
+    grad_accum_steps: int = 1  # micro-batches per optimizer step (the memory layouts; traces do not depend on it)
 
     @property
     def state_optimizer(self) -> str:

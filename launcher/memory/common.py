@@ -283,6 +283,25 @@ def grad_ready_order(trace: StepTrace) -> list[int]:
     return [(int(p), int(e)) for e, p in pairs]
 
 
+def accumulated_gradients(layout: Layout) -> None:
+    """Gradient accumulation, where the framework leaves it to autograd: the step laid out is the
+    last micro-batch's. Each parameter's gradient summed over the micro-batches before it is alive
+    from the step's start; this micro-batch's gradient is added into it in place and dropped
+    (torch/csrc/autograd/functions/accumulate_grad.h `accumulateGrad`: `variable_grad += new_grad`
+    once a gradient exists), so the traced gradient becomes a temporary freed when the parameter's
+    gradient is ready, and the accumulated one lives until the traced one would have been freed (a
+    DDP bucket view's copy at ready, else the optimizer's zero_grad). Under DDP's `no_sync` the
+    micro-batches before the last leave their gradients outside the buckets (reducer.cpp copies a
+    gradient into its bucket view only in a synchronized backward)."""
+    t = layout.trace
+    rows = np.nonzero(layout.rows(Kind.GRAD) & (t.ready >= 0))[0]
+    ready = layout.ev(t.ready[rows])
+    for row, at in zip(rows.tolist(), ready.tolist()):
+        layout.add("accumulated_gradient", "gradients", int(t.nbytes[row]), 0, int(layout.free[row]),
+                   param=int(t.param[row]))
+        layout.free[row] = min(int(layout.free[row]), at)
+
+
 def free_at_next_ready(layout: Layout, rows, fallback: int) -> None:
     """Free each of `rows` (GRAD rows) at the ready event of the gradient that follows it in
     ready order, or at `fallback` for the last: how ZeRO treats a gradient larger than its reduce

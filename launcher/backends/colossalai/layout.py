@@ -288,7 +288,8 @@ def colossalai_memory(traces, strategy, workload, ddp, cai, dp: int, device: str
     """(traces as extrapolated, per-depth layouts, notes, extra bytes {phase: {category: bytes}})."""
     pair = (traces.depth1, traces.depth2)
     if strategy.name == "cai_ddp":
-        return traces, [ddp_layout(t, ddp, dp) for t in pair], DDP_NOTES, {}
+        return (traces, [ddp_layout(t, ddp, dp, workload.optimizer, True, workload.grad_accum_steps) for t in pair],
+                DDP_NOTES, {})
     z = _zero_setup(strategy, workload, cai, dp, device)
     if strategy.name == "cai_gemini":
         return (traces, [gemini_activation_layout(t) for t in pair], GEMINI_NOTES,

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from launcher.backends.base import LayoutSet
 from launcher.config import DDPConfig
-from launcher.memory.common import Layout, add_modelled_states, grad_ready_order, trainable_params, trainable_shapes
+from launcher.memory.common import (Layout, accumulated_gradients, add_modelled_states, grad_ready_order,
+                                    trainable_params, trainable_shapes)
 from launcher.precision import TRACE_OPTIMIZER, torch_trace_request
 from launcher.steptrace import Kind, StepTrace
 
@@ -45,7 +46,7 @@ def bucket_bytes(trace: StepTrace, bucket_cap_mb: float) -> list[int]:
 
 
 def ddp_layout(trace: StepTrace, ddp: DDPConfig, dp_size: int, optimizer: str = "",
-               wrapped: bool = True) -> Layout:
+               wrapped: bool = True, grad_accum_steps: int = 1) -> Layout:
     """The traced step as DDP runs it on every rank (all ranks are identical); `wrapped=False`:
     the step exactly as traced, one process and no DDP (strategy `single`: no buckets, autograd's
     gradients are the gradients, as HF Trainer and torchtune run on one GPU). bitsandbytes 8-bit
@@ -58,17 +59,18 @@ def ddp_layout(trace: StepTrace, ddp: DDPConfig, dp_size: int, optimizer: str = 
     layout.hoist_persistent(Kind.OPTIM)
     if untraced:
         add_modelled_states(layout, optimizer, trainable_shapes(trace))
-    if not wrapped:
-        return layout
-    buckets = bucket_bytes(trace, ddp.bucket_cap_mb)
-    if ddp.gradient_as_bucket_view:
-        g = (trace.kind == Kind.GRAD) & (trace.ready >= 0)
-        layout.free[g] = layout.ev(trace.ready[g])
-        for j, nbytes in enumerate(buckets):
-            layout.add(f"ddp_bucket_{j}", "gradients", nbytes)
-    else:
-        for j, nbytes in enumerate(buckets):
-            layout.add(f"ddp_bucket_{j}", "buffers", nbytes)
+    if wrapped:
+        buckets = bucket_bytes(trace, ddp.bucket_cap_mb)
+        if ddp.gradient_as_bucket_view:
+            g = (trace.kind == Kind.GRAD) & (trace.ready >= 0)
+            layout.free[g] = layout.ev(trace.ready[g])
+            for j, nbytes in enumerate(buckets):
+                layout.add(f"ddp_bucket_{j}", "gradients", nbytes)
+        else:
+            for j, nbytes in enumerate(buckets):
+                layout.add(f"ddp_bucket_{j}", "buffers", nbytes)
+    if grad_accum_steps > 1:  # the worker runs the micro-batches before the last under no_sync
+        accumulated_gradients(layout)
     return layout
 
 
@@ -102,7 +104,8 @@ def trace_request(strategy, workload) -> dict:
 def memory(traces, strategy, workload, knobs, dp: int, device: str) -> LayoutSet:
     """One layout per traced depth; every rank holds the same bytes."""
     wrapped = strategy.name != "single"
-    layouts = tuple(ddp_layout(t, knobs["ddp"], dp, workload.optimizer, wrapped) for t in (traces.depth1, traces.depth2))
+    layouts = tuple(ddp_layout(t, knobs["ddp"], dp, workload.optimizer, wrapped, workload.grad_accum_steps)
+                    for t in (traces.depth1, traces.depth2))
     notes = DDP_NOTES if wrapped else SINGLE_NOTES
     if workload.optimizer_in_backward:
         notes += IN_BACKWARD_NOTES

@@ -86,6 +86,7 @@ class FSDP2Setup:
     optimizer: str = "adamw_torch"
     offload: bool = False  # CPUOffloadPolicy: shards, sharded gradients and the step on the host
     frozen_bytes: int = 0  # bytes per element of frozen parameters' shards; 0: shard_bytes (sharded QLoRA: compute)
+    grad_accum_steps: int = 1  # micro-batches per optimizer step, each reduce-scattered (the worker never skips the sync)
 
 
 def _shape(trace: StepTrace, i: int, four_bit: dict | None = None) -> tuple:
@@ -369,9 +370,16 @@ def _reduce_terms(lay: FSDP2Layout, trace: StepTrace, g: Group, s: FSDP2Setup, u
     (worker.py `gloo_reduce_scatter`), which allocates nothing more, as NCCL's reduce-scatter."""
     W = s.world
     lay.add("reduce_scatter_input", "buffers", W * g.reduce_bytes, u0, rs_end)
+    # with gradient accumulation the step laid out is the last micro-batch's: the sharded gradients of
+    # the ones before it are alive from its start, and this one's output is added into them and
+    # dropped (`fsdp_param.sharded_param.grad._local_tensor += new_sharded_grad`)
+    accumulated = s.grad_accum_steps > 1
     if s.offload:  # the device output is copied to the host and dropped (`new_sharded_grad.to("cpu")`)
         lay.add("reduce_scatter_output", "gradients", g.reduce_bytes, u1, u2, stream=RS_STREAM)
-        lay.add("sharded_grads", "gradients", g.reduce_bytes, u1, lay.step_ev(1), host=True)
+        lay.add("sharded_grads", "gradients", g.reduce_bytes, 0 if accumulated else u1, lay.step_ev(1), host=True)
+    elif accumulated:
+        lay.add("reduce_scatter_output", "gradients", g.reduce_bytes, u1, u2, stream=RS_STREAM)
+        lay.add("sharded_grads", "gradients", g.reduce_bytes, 0, lay.step_ev(1), stream=RS_STREAM)
     else:
         lay.add("sharded_grads", "gradients", g.reduce_bytes, u1, lay.step_ev(1), stream=RS_STREAM)
     g_rows = (trace.kind == Kind.GRAD) & (trace.param >= 0)
@@ -429,7 +437,7 @@ def setup(strategy: Strategy, workload, dp: int, rank: int, frozen_bytes: int = 
                       reduce_bytes=DTYPE_BYTES[mp["reduce_dtype"] or mp["param_dtype"]] if mp["param_dtype"] else 0,
                       cast=compute != shard,
                       optimizer=workload.state_optimizer, offload=strategy.offload_params,
-                      frozen_bytes=frozen_bytes)
+                      frozen_bytes=frozen_bytes, grad_accum_steps=workload.grad_accum_steps)
 
 
 def memory(traces, strategy: Strategy, workload, knobs, dp: int, device: str) -> LayoutSet:
