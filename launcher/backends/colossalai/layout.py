@@ -22,7 +22,8 @@ from launcher.backends.colossalai.gemini import gemini_bytes, search_chunk_size
 from launcher.backends.ddp.layout import DDP_NOTES, bucket_bytes, ddp_layout
 from launcher.backends.deepspeed.zero3 import full_depth_numels
 from launcher.errors import ConfigError
-from launcher.memory.common import (DTYPE_BYTES, Layout, add_modelled_states, grad_ready_order,
+from launcher.memory.common import (DTYPE_BYTES, Layout, accumulated_gradients, add_modelled_states,
+                                    grad_ready_order,
                                     optimizer_state_numel_factor,
                                     optimizer_step_scalar_bytes, optimizer_step_temp_numel, trainable_params)
 from launcher.backends.colossalai.rules import PLUGIN
@@ -44,6 +45,7 @@ class ZeroSetup:
     bucket_numel: int  # reduce_bucket_size (LowLevelZeroPlugin: reduce_bucket_size_in_m * 2**20)
     overlap: bool  # overlap_communication (reduction hooks even at stage 1)
     optimizer: str
+    grad_accum_steps: int = 1  # micro-batches per optimizer step (stage 1 under no_sync before the last)
 
 
 def padded(numel: int, dp: int) -> int:
@@ -124,13 +126,17 @@ def lowlevel_zero_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
             layout.add("grad_padding", "gradients", flat - e * sum(n for _, n in order[start:flush_k]), at, at + 1)
             if z.stage == 2:  # stage 1 keeps the flat copy itself as the reduced gradients
                 layout.add("reduce_flat", "gradients", flat, at, at + 1)
-            layout.add("reduced_grads", "gradients", keep(flat), at, end)
+            # stage 2 reduces every micro-batch into the same partitions: alive from the step's start
+            accumulated = z.stage == 2 and z.grad_accum_steps > 1
+            layout.add("reduced_grads", "gradients", keep(flat), 0 if accumulated else at, end)
     else:
         order = [(i, int(p.numel[i])) for i in idx]
         layout.free[g] = r1
         largest = max((e * sum(s) for _, s in buckets(order, z.bucket_numel, dp)), default=0)
         layout.add("reduce_flat", "gradients", largest, r0, r1)
         layout.add("reduced_grads", "gradients", e * sum(pads), r1, end)
+    if z.stage == 1 and z.grad_accum_steps > 1:  # the worker's no_sync micro-batches sum in autograd
+        accumulated_gradients(layout)
     if e != 4:
         layout.add("fp32_grad_partitions", "gradients", 4 * total_part, s0, s2)
     layout.add("grad_norm_double", "gradients", 8 * max(parts, default=0), s0, s1)
@@ -271,7 +277,7 @@ def trace_request(strategy, workload) -> dict:
 def _zero_setup(strategy, workload, cai, dp: int, device: str) -> ZeroSetup:
     return ZeroSetup(stage=strategy.zero_stage, model_bytes=DTYPE_BYTES[PLUGIN_DTYPE[workload.precision]],
                      dp=dp, bucket_numel=cai.reduce_bucket_size_in_m * MEGA, overlap=overlap(cai, device),
-                     optimizer=workload.state_optimizer)
+                     optimizer=workload.state_optimizer, grad_accum_steps=workload.grad_accum_steps)
 
 
 def memory(traces, strategy, workload, knobs, dp: int, device: str) -> LayoutSet:

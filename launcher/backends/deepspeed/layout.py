@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from launcher.config import DeepSpeedConfig
 from launcher.steptrace import Kind, StepTrace
 
-from launcher.memory.common import (Layout, at_traced_depth, first_ready_event, free_at_next_ready,
-                     full_depth_numels, grad_ready_order, layer_numel, add_modelled_states,
+from launcher.memory.common import (Layout, accumulated_gradients, at_traced_depth, first_ready_event,
+                     free_at_next_ready, full_depth_numels, grad_ready_order, layer_numel, add_modelled_states,
                      optimizer_state_numel_factor,
                      optimizer_step_scalar_bytes, optimizer_step_temp_bytes, trainable_params,
                      trainable_shapes)
@@ -40,6 +40,7 @@ class ZeroSetup:
     ds: DeepSpeedConfig
     dp: int
     num_layers: int = 0  # the real model's depth, for terms not linear in depth (0: the traced depth)
+    grad_accum_steps: int = 1  # micro-batches per optimizer step
 
     @property
     def overlap_comm(self) -> bool:
@@ -296,7 +297,10 @@ def zero12_layout(trace: StepTrace, z: ZeroSetup, rank: int | None = None) -> La
     in_hooks = z.stage == 2 or z.overlap_comm  # process_gradients: partition_gradients or overlap_comm
     if z.ds.contiguous_gradients:  # setup_buckets at the first gradient hook; _release_ipg_buffers at the epilogue
         nbuf = 2 if z.overlap_comm else 1
-        layout.add("ipg_buckets", "buffers", nbuf * bucket * e, ready_first, r1)
+        # at stage 1 the epilogue (and the release) runs only at the accumulation boundary, so with
+        # several micro-batches the first one's buckets (`ready_for_gradients`) last to it
+        start = 0 if z.stage == 1 and z.grad_accum_steps > 1 else ready_first
+        layout.add("ipg_buckets", "buffers", nbuf * bucket * e, start, r1)
     g = layout.rows(Kind.GRAD)
     ready = layout.ev(trace.ready)
     if in_hooks:  # the gradient is copied into the bucket at its hook and autograd's copy dropped
@@ -309,6 +313,8 @@ def zero12_layout(trace: StepTrace, z: ZeroSetup, rank: int | None = None) -> La
         layout.add("grads_awaiting_reduction", "gradients",
                    e * stage1_unmoved_numel(sizes, dp, bucket, None if off else rank, z.ds.contiguous_gradients),
                    r0, r1)
+        if z.grad_accum_steps > 1:  # reduced only at the accumulation boundary: autograd sums before
+            accumulated_gradients(layout)
     if off:
         _offload_terms(layout, z, sizes, part)
         return layout
@@ -317,6 +323,8 @@ def zero12_layout(trace: StepTrace, z: ZeroSetup, rank: int | None = None) -> La
         # traced depth as growing by at most a layer's share per layer, extrapolating to `gip`
         gip = at_traced_depth(gip, min(layer_numel(trace) / dp, gip / z.num_layers), trace, z.num_layers)
     flush = r0 if event is None else int(layout.ev(event))
+    if in_hooks and z.grad_accum_steps > 1:  # every micro-batch reduces into the same partition
+        flush = 0  # (`copy_grads_in_partition` adds into it after the first): alive from the step's start
     layout.add("grads_in_partition", "gradients", e * gip, flush, s1)
     # step(): the gradient norm (`norm_pieces`), then flatten(averaged_gradients) -> .to(the master
     # dtype) -> optimizer step -> grad = None; `.to` returns the flat tensor itself when the master

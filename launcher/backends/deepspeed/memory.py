@@ -51,7 +51,8 @@ def _zero_setup(traces: TraceSet, strategy: Strategy, workload: Workload, ds, dp
                      offload_params=strategy.offload_params,
                      model_bytes=DTYPE_BYTES[FRAMEWORK[workload.precision]],
                      master_bytes=2 if workload.precision == "bf16-true" else 4,
-                     optimizer=workload.state_optimizer, ds=ds, dp=dp, num_layers=traces.num_layers)
+                     optimizer=workload.state_optimizer, ds=ds, dp=dp, num_layers=traces.num_layers,
+                     grad_accum_steps=workload.grad_accum_steps)
 
 
 def _rank_layouts(traces: TraceSet, strategy: Strategy, workload: Workload, ds, dp: int) -> list:
