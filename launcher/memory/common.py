@@ -211,11 +211,13 @@ def trainable_params(trace: StepTrace) -> list[int]:
     return [i for i in distinct_params(trace) if trace.params.trainable[i]]
 
 
-def trainable_shapes(trace: StepTrace) -> list[tuple]:
-    """The shapes of `trainable_params` (their numels as 1-D shapes when the trace kept none): what
-    an optimizer stepping the parameters themselves sees (Adafactor factors the 2-D ones)."""
+def trainable_shapes(trace: StepTrace, params: list[int] | None = None) -> list[tuple]:
+    """The shapes of `params` (default `trainable_params`; their numels as 1-D shapes when the trace
+    kept none): what an optimizer stepping the parameters themselves sees (Adafactor factors the
+    2-D ones)."""
     p = trace.params
-    return [tuple(p.shapes[i]) if p.shapes else (int(p.numel[i]),) for i in trainable_params(trace)]
+    idx = trainable_params(trace) if params is None else params
+    return [tuple(p.shapes[i]) if p.shapes else (int(p.numel[i]),) for i in idx]
 
 
 def distinct_params(trace: StepTrace) -> list[int]:

@@ -23,9 +23,8 @@ from launcher.backends.ddp.layout import DDP_NOTES, bucket_bytes, ddp_layout
 from launcher.backends.deepspeed.zero3 import full_depth_numels
 from launcher.errors import ConfigError
 from launcher.memory.common import (DTYPE_BYTES, Layout, accumulated_gradients, add_modelled_states,
-                                    grad_ready_order,
-                                    optimizer_state_numel_factor,
-                                    optimizer_step_scalar_bytes, optimizer_step_temp_numel, trainable_params)
+                                    grad_ready_order, optimizer_state_numel_factor, optimizer_step_scalar_bytes,
+                                    optimizer_step_temp_numel, trainable_params, trainable_shapes)
 from launcher.backends.colossalai.rules import PLUGIN
 from launcher.backends.colossalai.runtime import uses_shardformer
 from launcher.precision import FRAMEWORK, torch_trace_request
@@ -209,9 +208,8 @@ def hybrid_stage0_layout(trace: StepTrace, z: ZeroSetup, ddp_bucket_bytes: list[
     total = sum(numels)
     for j, nbytes in enumerate(ddp_bucket_bytes):
         layout.add(f"ddp_bucket_{j}", "gradients" if bucket_views else "buffers", nbytes)
-    p = trace.params  # the torch optimizer steps each parameter (or its fp32 master) itself
-    if not add_modelled_states(layout, z.optimizer, [tuple(p.shapes[i]) if p.shapes else (int(p.numel[i]),)
-                                                     for i in idx]):
+    # the torch optimizer steps each parameter (or its fp32 master) itself
+    if not add_modelled_states(layout, z.optimizer, trainable_shapes(trace, idx)):
         k = optimizer_state_numel_factor(z.optimizer)
         layout.add("optimizer_states", "optimizer_states",
                    4 * k * total + optimizer_step_scalar_bytes(z.optimizer, len(numels)))

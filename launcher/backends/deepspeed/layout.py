@@ -19,11 +19,10 @@ from dataclasses import dataclass
 from launcher.config import DeepSpeedConfig
 from launcher.steptrace import Kind, StepTrace
 
-from launcher.memory.common import (Layout, accumulated_gradients, at_traced_depth, first_ready_event,
-                     free_at_next_ready, full_depth_numels, grad_ready_order, layer_numel, add_modelled_states,
-                     optimizer_state_numel_factor,
-                     optimizer_step_scalar_bytes, optimizer_step_temp_bytes, trainable_params,
-                     trainable_shapes)
+from launcher.memory.common import (Layout, accumulated_gradients, add_modelled_states, at_traced_depth,
+                                    first_ready_event, free_at_next_ready, full_depth_numels, grad_ready_order,
+                                    layer_numel, optimizer_state_numel_factor, optimizer_step_scalar_bytes,
+                                    optimizer_step_temp_bytes, trainable_params, trainable_shapes)
 
 NCCL_START_ALIGNMENT_FACTOR = 2  # zero/stage_1_and_2.py __init__: "4-byte alignment/sizeof(fp16)"
 MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000  # engine.py: stage-0 allreduce bucket, in elements
