@@ -256,7 +256,7 @@ def zero0_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
         _states(layout, z, trainable_shapes(trace), host=False)
         layout.add("optimizer_step_temporaries", "optimizer_states",
                    optimizer_step_temp_bytes(z.optimizer, sizes, e), layout.step_ev(0), layout.step_ev(1))
-        return layout
+        return _accumulating(layout, z)
     # FP16_UnfusedOptimizer (fp16/unfused_optimizer.py): `_configure_fp16_optimizer` (engine.py)
     # takes the flat FP16_Optimizer only for a FusedAdam client optimizer; the worker's, and the
     # stand-alone config's (`torch_adam`), is torch's. The model keeps its own 16-bit parameters.
@@ -273,6 +273,14 @@ def zero0_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
     layout.add("fp32_grads", "gradients", 4 * total, s0, s2)
     layout.add("optimizer_step_temporaries", "optimizer_states",
                optimizer_step_temp_bytes(z.optimizer, sizes, 4), s1, s2)
+    return _accumulating(layout, z)
+
+
+def _accumulating(layout: Layout, z: ZeroSetup) -> Layout:
+    """Stage 0 all-reduces only at the accumulation boundary (engine.py `allreduce_gradients`):
+    before it autograd sums the gradients (`accumulated_gradients`)."""
+    if z.grad_accum_steps > 1:
+        accumulated_gradients(layout)
     return layout
 
 
