@@ -165,25 +165,29 @@ def test_deepspeed_lora_at_16_bits_is_built_in_16_bits(cli):
         assert abs(row["error_percent"]) <= BOUND_PERCENT, row
 
 
-# (strategy, model, seq_len, micro_batch_size): small-llama's step peaks where its gradients are, the
-# tiny one's in backward under its activations, where the ZeRO optimizers' buffers show
-ACCUMULATION_CELLS = [("ddp", "small-llama", 32, 1), ("fsdp2", "small-llama", 32, 1), ("zero0", "tiny-llama", 256, 4),
-                      ("zero1", "tiny-llama", 256, 4), ("zero2", "tiny-llama", 256, 4),
-                      pytest.param("cai_zero1", "tiny-llama", 256, 4, marks=pytest.mark.long),
-                      pytest.param("cai_zero2", "tiny-llama", 256, 4, marks=pytest.mark.long)]
+# (strategy, model, seq_len, micro_batch_size, more overrides): small-llama's step peaks where its
+# gradients are, the tiny one's in backward under its activations, where the ZeRO optimizers' buffers
+# show; FSDP2 at 8 layers, where the full-depth rebuild must hold each block's accumulated gradients
+DEEPER = ("model.hf_config.num_hidden_layers=8",)
+ACCUMULATION_CELLS = [("ddp", "small-llama", 32, 1, ()), ("fsdp2", "small-llama", 32, 1, DEEPER),
+                      ("zero0", "tiny-llama", 256, 4, ()), ("zero1", "tiny-llama", 256, 4, ()),
+                      ("zero2", "tiny-llama", 256, 4, ()),
+                      pytest.param("cai_zero1", "tiny-llama", 256, 4, (), marks=pytest.mark.long),
+                      pytest.param("cai_zero2", "tiny-llama", 256, 4, (), marks=pytest.mark.long)]
 
 
-@pytest.mark.parametrize("strategy,model,seq_len,micro", ACCUMULATION_CELLS)
-def test_gradient_accumulation_measured_peak_matches_estimate(cli, strategy, model, seq_len, micro):
+@pytest.mark.parametrize("strategy,model,seq_len,micro,more", ACCUMULATION_CELLS)
+def test_gradient_accumulation_measured_peak_matches_estimate(cli, strategy, model, seq_len, micro, more):
     """Two micro-batches per optimizer step (training.global_batch_size): the step laid out is the
     last micro-batch's, with what the earlier ones leave alive from its start. Laid out as a single
     micro-batch these read: DDP -21% (the accumulated gradients outside the buckets under
-    `no_sync`), FSDP2 -14% (the accumulated sharded gradients), ZeRO-0 -5.7% and ZeRO-1 -5.5% (autograd's summed
-    gradients, and the first micro-batch's ipg bucket, released only at the boundary), ZeRO-2 and
+    `no_sync`), FSDP2 -14% (the accumulated sharded gradients; -2.9% at 8 layers with one block's
+    rebuilt at the real depth), ZeRO-0 -5.7% and ZeRO-1 -5.5% (autograd's summed gradients, and at
+    ZeRO-1 the first micro-batch's ipg bucket, released only at the boundary), ZeRO-2 and
     ColossalAI's -1.2% to -2.3% (the partition every micro-batch reduces into; stage 1's no_sync
     gradients)."""
     run_dir = cli.cwd / "run"
-    r = cli(f"model={model}", "hardware=cpu", "gpus=2", f"strategy={strategy}", "mode=measure", "report=json",
+    r = cli(f"model={model}", *more, "hardware=cpu", "gpus=2", f"strategy={strategy}", "mode=measure", "report=json",
             "training.precision=bf16-mixed", f"training.seq_len={seq_len}", f"training.micro_batch_size={micro}",
             f"training.global_batch_size={4 * micro}", "training.optimizer=sgd", "measure.memory_steps=2",
             "measure.timing_steps=0", "measure.warmup_steps=1", *SMALL_BUCKETS, f"hydra.run.dir={run_dir}",

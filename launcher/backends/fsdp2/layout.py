@@ -377,9 +377,10 @@ def _reduce_terms(lay: FSDP2Layout, trace: StepTrace, g: Group, s: FSDP2Setup, u
     if s.offload:  # the device output is copied to the host and dropped (`new_sharded_grad.to("cpu")`)
         lay.add("reduce_scatter_output", "gradients", g.reduce_bytes, u1, u2, stream=RS_STREAM)
         lay.add("sharded_grads", "gradients", g.reduce_bytes, 0 if accumulated else u1, lay.step_ev(1), host=True)
-    elif accumulated:
+    elif accumulated:  # `param`: the group's layer, so the full-depth rebuild holds one per layer
         lay.add("reduce_scatter_output", "gradients", g.reduce_bytes, u1, u2, stream=RS_STREAM)
-        lay.add("sharded_grads", "gradients", g.reduce_bytes, 0, lay.step_ev(1), stream=RS_STREAM)
+        lay.add("sharded_grads", "gradients", g.reduce_bytes, 0, lay.step_ev(1), stream=RS_STREAM,
+                param=g.params[0] if g.params else -1)
     else:
         lay.add("sharded_grads", "gradients", g.reduce_bytes, u1, lay.step_ev(1), stream=RS_STREAM)
     g_rows = (trace.kind == Kind.GRAD) & (trace.param >= 0)
