@@ -218,18 +218,20 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
     (default: this process's memo of the config's cache directory)."""
     dp = cluster.num_gpus // (strategy.tp_size * strategy.pp_size)
     variant = variant or TrainingVariant("full", None, config.training.gradient_checkpointing)
-    wl = replace(workload(config, spec, micro), gradient_checkpointing=variant.gradient_checkpointing)
+    accum = grad_accum(config, micro, dp)
+    if backend_of(strategy).grad_accum:  # e.g. a pipeline's micro-batches
+        accum = backend_of(strategy).grad_accum(strategy, config, accum)
+    # the layouts lay out the last of `accum` micro-batches (a trace does not depend on it)
+    wl = replace(workload(config, spec, micro), gradient_checkpointing=variant.gradient_checkpointing,
+                 grad_accum_steps=accum)
     lora = backend_of(strategy).peft_of(strategy, variant.lora)
     traces = traced(config, spec, strategy, wl, lora)
     replay_memo = replay_memo if replay_memo is not None else ReplayMemo.shared(config.cache_dir)
     numbers = model_numbers(traces)
-    accum = grad_accum(config, micro, dp)
-    if backend_of(strategy).grad_accum:  # e.g. a pipeline's micro-batches
-        accum = backend_of(strategy).grad_accum(strategy, config, accum)
     knobs = registry.knobs(config)
     varlen = varlen_run(config, spec, cluster, strategy, wl, lora)
-    mem = memory_model.estimate(traces, strategy, replace(wl, grad_accum_steps=accum), cluster, knobs, dp,
-                                attention_workspace(spec, strategy, wl), replay_memo=replay_memo, varlen=varlen)
+    mem = memory_model.estimate(traces, strategy, wl, cluster, knobs, dp, attention_workspace(spec, strategy, wl),
+                                replay_memo=replay_memo, varlen=varlen)
     mem = replace(mem, notes=tuple(mem.notes) + trace.trace_notes(trace_key(spec, strategy, wl, lora)))
     if cluster.device == "cuda" and lora is not None and lora.quant_type == "torchao_nf4":
         mem = torchao_build.with_build(mem, traces, config.peft.nf4_quantize_chunk, replay_memo)

@@ -275,7 +275,9 @@ def trace_request(strategy, workload) -> dict:
 def _zero_setup(strategy, workload, cai, dp: int, device: str) -> ZeroSetup:
     return ZeroSetup(stage=strategy.zero_stage, model_bytes=DTYPE_BYTES[PLUGIN_DTYPE[workload.precision]],
                      dp=dp, bucket_numel=cai.reduce_bucket_size_in_m * MEGA, overlap=overlap(cai, device),
-                     optimizer=workload.state_optimizer, grad_accum_steps=workload.grad_accum_steps)
+                     optimizer=workload.state_optimizer,
+                     # measured for LowLevelZeroPlugin only (HybridParallel's ZeRO with tp or pp: not modelled)
+                     grad_accum_steps=workload.grad_accum_steps if strategy.tp_size == strategy.pp_size == 1 else 1)
 
 
 def memory(traces, strategy, workload, knobs, dp: int, device: str) -> LayoutSet:

@@ -86,7 +86,7 @@ class FSDP2Setup:
     optimizer: str = "adamw_torch"
     offload: bool = False  # CPUOffloadPolicy: shards, sharded gradients and the step on the host
     frozen_bytes: int = 0  # bytes per element of frozen parameters' shards; 0: shard_bytes (sharded QLoRA: compute)
-    grad_accum_steps: int = 1  # micro-batches per optimizer step, each reduce-scattered (the worker never skips the sync)
+    grad_accum_steps: int = 1  # micro-batches per step, each reduce-scattered (the worker never skips the sync)
 
 
 def _shape(trace: StepTrace, i: int, four_bit: dict | None = None) -> tuple:
