@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from launcher.backends.base import Ask, Rules
+from launcher.backends.base import OPTIMIZERS, Ask, Rules
 from launcher.types import Strategy
 
 TORCH = frozenset({"32-true", "16-mixed", "bf16-mixed", "bf16-true"})  # TorchDDPPlugin: the model as torch DDP runs it
@@ -27,13 +27,11 @@ UNSHAPED_STATES = ("ColossalAI's checkpoint IO reshapes every optimizer state to
                    "(low_level_optim.py `state_dict`, hybrid_parallel_checkpoint_io.py "
                    "`gather_from_sharded_optimizer_state`), which Adafactor's factored and bitsandbytes' "
                    "8-bit states are not: use adamw_torch or sgd")
-SHARDED_WHY = {**WHY, **{o: UNSHAPED_STATES for o in ("adafactor", "adamw_bnb_8bit", "paged_adamw_8bit",
-                                                      "paged_adamw_32bit")}}
+SHARDED_WHY = {**WHY, **{o: UNSHAPED_STATES for o in OPTIMIZERS if o not in SHAPED_STATES}}
 GEMINI_WHY = {**WHY, "cpu": "GeminiPlugin has no CPU path (fp32 unsupported, bf16 chunk handling fails)",
               **{o: "GeminiOptimizer steps only ColossalAI's FusedAdam, CPUAdam or HybridAdam "
                     "(gemini_optimizer.py `_AVAIL_OPTIM_LIST`): the worker runs HybridAdam in AdamW mode, "
-                    "use adamw_torch" for o in ("sgd", "adafactor", "adamw_bnb_8bit", "paged_adamw_8bit",
-                                               "paged_adamw_32bit")}}
+                    "use adamw_torch" for o in OPTIMIZERS if o not in ADAMW}}
 DDP_LIKE = Rules(precisions={"cuda": TORCH - {"16-true"}, "cpu": TORCH - {"16-true"}}, peft=NO_LORA, why=WHY)
 ZERO = Rules(precisions={"cuda": PLUGIN, "cpu": PLUGIN}, optimizers=SHAPED_STATES, peft=NO_LORA, why=SHARDED_WHY)
 GEMINI_RULES = Rules(precisions={"cuda": GEMINI}, optimizers=ADAMW, peft=NO_LORA, why=GEMINI_WHY)

@@ -31,6 +31,7 @@ import logging
 from pathlib import Path
 
 from launcher.backends.colossalai import cpu
+from launcher.backends.colossalai.rules import ADAMW
 from launcher.errors import ConfigError
 from launcher.worker import layout
 from launcher.worker.optim import make_optimizer, make_scheduler
@@ -88,7 +89,7 @@ def gemini_optimizer(name: str, params, learning_rate: float, weight_decay: floa
     GeminiPlugin, which refuses torch optimizers; its fused CUDA kernel is loaded, or built, by
     ColossalAI's kernel loader on first use. Only the AdamW names reach here
     (launcher/backends/colossalai/rules.py GEMINI_RULES)."""
-    if name not in ("adamw_torch", "adamw_torch_fused", "adamw_torch_foreach"):
+    if name not in ADAMW:
         raise ConfigError(f"training.optimizer={name}: GeminiPlugin runs HybridAdam only; use adamw_torch")
     from colossalai.nn.optimizer import HybridAdam
 

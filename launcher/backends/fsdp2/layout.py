@@ -373,14 +373,16 @@ def _reduce_terms(lay: FSDP2Layout, trace: StepTrace, g: Group, s: FSDP2Setup, u
     # with gradient accumulation the step laid out is the last micro-batch's: the sharded gradients of
     # the ones before it are alive from its start, and this one's output is added into them and
     # dropped (`fsdp_param.sharded_param.grad._local_tensor += new_sharded_grad`)
+    # (`param`: the group's layer, so the full-depth rebuild holds one per layer)
     accumulated = s.grad_accum_steps > 1
+    layer = g.params[0] if accumulated and g.params else -1
     if s.offload:  # the device output is copied to the host and dropped (`new_sharded_grad.to("cpu")`)
         lay.add("reduce_scatter_output", "gradients", g.reduce_bytes, u1, u2, stream=RS_STREAM)
-        lay.add("sharded_grads", "gradients", g.reduce_bytes, 0 if accumulated else u1, lay.step_ev(1), host=True)
-    elif accumulated:  # `param`: the group's layer, so the full-depth rebuild holds one per layer
+        lay.add("sharded_grads", "gradients", g.reduce_bytes, 0 if accumulated else u1, lay.step_ev(1), host=True,
+                param=layer)
+    elif accumulated:
         lay.add("reduce_scatter_output", "gradients", g.reduce_bytes, u1, u2, stream=RS_STREAM)
-        lay.add("sharded_grads", "gradients", g.reduce_bytes, 0, lay.step_ev(1), stream=RS_STREAM,
-                param=g.params[0] if g.params else -1)
+        lay.add("sharded_grads", "gradients", g.reduce_bytes, 0, lay.step_ev(1), stream=RS_STREAM, param=layer)
     else:
         lay.add("sharded_grads", "gradients", g.reduce_bytes, u1, lay.step_ev(1), stream=RS_STREAM)
     g_rows = (trace.kind == Kind.GRAD) & (trace.param >= 0)
