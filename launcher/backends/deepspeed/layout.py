@@ -277,8 +277,9 @@ def zero0_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
 
 
 def _accumulating(layout: Layout, z: ZeroSetup) -> Layout:
-    """Stage 0 all-reduces only at the accumulation boundary (engine.py `allreduce_gradients`):
-    before it autograd sums the gradients (`accumulated_gradients`)."""
+    """Stage 0, and stage 1 without overlap_comm, reduce only at the accumulation boundary (engine.py
+    `allreduce_gradients`; stage_1_and_2.py `reduce_gradients`): before it autograd sums the
+    gradients (`accumulated_gradients`)."""
     if z.grad_accum_steps > 1:
         accumulated_gradients(layout)
     return layout
@@ -320,8 +321,7 @@ def zero12_layout(trace: StepTrace, z: ZeroSetup, rank: int | None = None) -> La
         layout.add("grads_awaiting_reduction", "gradients",
                    e * stage1_unmoved_numel(sizes, dp, bucket, None if off else rank, z.ds.contiguous_gradients),
                    r0, r1)
-        if z.grad_accum_steps > 1:  # reduced only at the accumulation boundary: autograd sums before
-            accumulated_gradients(layout)
+        _accumulating(layout, z)
     if off:
         _offload_terms(layout, z, sizes, part)
         return layout
