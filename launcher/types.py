@@ -83,7 +83,7 @@ class MemoryEstimate:
     device_total_bytes: int  # what nvidia-smi shows: reserved + CUDA context + NCCL (CPU: = allocated)
     host_bytes: int  # host RAM per rank for offloaded states (0 without offload)
     breakdown: dict  # parameters, gradients, optimizer_states, activations, buffers, runtime -> bytes at the peak
-    peak_phase: str  # forward | backward | optimizer
+    peak_phase: str  # forward | backward | optimizer | setup (before the step: DDP's state broadcast)
     notes: tuple = ()  # assumptions stated for this estimate
     # every data-parallel rank's peak allocated (the headline is their maximum) when ranks differ
     # (ZeRO 1-2: each rank's gradient partition); empty: every rank = peak_allocated_bytes

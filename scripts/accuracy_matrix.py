@@ -444,6 +444,10 @@ def main() -> int:
                        if m and "time" in m else r.get("error"))
             print(f"[{i + 1}/{len(cells)}] {r['id']}: {summary} ({r['wall_s']:.0f} s)", flush=True)
     results = [done[cell_id(c)] for c in cells if cell_id(c) in done]
+    if not results:  # nothing measured: the tables written before stay as they are
+        print(f"error: no measured cells in {results_path}; run the matrix first (without --reestimate), "
+              "or point --out at the directory of a run", file=sys.stderr)
+        return 2
     if args.interleave:
         interleaved_times(results, out_dir, args.interleave)
     if args.reestimate:

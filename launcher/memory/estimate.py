@@ -33,8 +33,10 @@ Assumptions (also listed in each `MemoryEstimate.notes`): one parameter group; t
 worker's torch optimizer (`adamw_torch` = foreach AdamW); DeepSpeed `grad_accum_dtype` and
 `communication_data_type` unset; ZeRO-3 gathered parameters live from their module's forward to
 their own backward when the reuse distance keeps them all (zero3.py `gathered_param_terms`),
-else they are added at full depth to the forward and backward peaks. Not
-modelled: the model-construction phase (its peak is below the step's), gradient-clipping norm
+else they are added at full depth to the forward and backward peaks. Before the step, a
+backend may add a `setup` phase (LayoutSet.extra["setup"]: DDP's construction-time state
+broadcast, launcher/backends/ddp/layout.py `construction_peak`), the estimate when it is the
+largest. Not modelled: building the model itself (its peak is below the step's), gradient-clipping norm
 scalars, the loss scaler's small tensors, process-group internal scratch, side-stream late frees.
 """
 from __future__ import annotations
@@ -49,7 +51,7 @@ from launcher.steptrace import TraceSet
 from launcher.types import Cluster, MemoryEstimate, Strategy, Workload
 
 from launcher.memory import runtime
-from launcher.memory.common import PHASES, extrapolate_layouts, extrapolate_peaks, host_bytes, phase_peaks
+from launcher.memory.common import CATEGORIES, PHASES, extrapolate_layouts, extrapolate_peaks, host_bytes, phase_peaks
 from launcher.memory.replay import full_depth_peaks, held_cache, varlen_held_cache
 
 
@@ -135,11 +137,13 @@ def _phase_totals(traces: TraceSet, layouts: list, gathered, extra: dict, cluste
         total[ph] += gathered_bytes
         breakdown[ph]["parameters"] += gathered_bytes
     for ph, cats in extra.items():
+        if ph not in total:  # a phase outside the step (`setup`): the extra bytes are all of it
+            total[ph], breakdown[ph] = 0, dict.fromkeys(CATEGORIES, 0)
         for cat, nbytes in cats.items():
             total[ph] += nbytes
             breakdown[ph][cat] += nbytes
     workspace = runtime.cublas_workspace_bytes(cluster.sm_arch) if cuda else 0
-    return total, breakdown, max(total.values()) + workspace
+    return total, breakdown, max(max(total[ph] for ph in PHASES) + workspace, total.get("setup", 0))
 
 
 def _estimate(traces: TraceSet, layouts: list, notes, gathered, extra: dict, cluster: Cluster,
@@ -149,9 +153,12 @@ def _estimate(traces: TraceSet, layouts: list, notes, gathered, extra: dict, clu
     cuda = cluster.device == "cuda"
     total, breakdown, _ = totals or _phase_totals(traces, layouts, gathered, extra, cluster)
     phase = max(PHASES, key=lambda ph: total[ph])
+    setup = total.get("setup", 0)  # before the step (a backend's construction-time peak)
     host = extrapolate_layouts(layouts, [host_bytes(x) for x in layouts], traces.num_layers)
     bd = dict(breakdown[phase])
     if not cuda:
+        if setup > total[phase]:
+            phase, bd = "setup", dict(breakdown["setup"])
         peak = total[phase]
         bd["runtime"] = 0
         return MemoryEstimate(peak, peak, peak, host, bd, phase,
@@ -175,12 +182,16 @@ def _estimate(traces: TraceSet, layouts: list, notes, gathered, extra: dict, clu
         else:
             notes = tuple(notes) + (varlen_note(profile, batches, v[0], held),)
             held, needed = max(held, v[0]), max(needed, v[1])
-    reserved = allocated + held
+    reserved, needed = allocated + held, allocated + needed
+    if setup > allocated:  # no matmul has run yet, so no cuBLAS workspace; its buckets are fresh
+        phase, bd, workspace = "setup", dict(breakdown["setup"]), 0  # segments (reserved >= allocated)
+        allocated = setup
+        reserved, needed = max(reserved, setup), max(needed, setup)
     bd["runtime"] = workspace + outside
     expandable = (EXPANDABLE_NOTE,) if cluster.expandable_segments else ()
     return MemoryEstimate(allocated, reserved, reserved + outside, host, bd, phase,
                           tuple(notes) + GPU_NOTES + expandable + ((OVER_NOTE,) if over else ()),
-                          needed_bytes=allocated + needed + outside)
+                          needed_bytes=needed + outside)
 
 
 def varlen_note(profile: str, batches, held_varlen: int, held_fixed: int) -> str:

@@ -19,7 +19,7 @@ import numpy as np
 from launcher.backends.base import LayoutSet
 from launcher.backends.colossalai.emit import PARALLEL_OUTPUT, num_microbatches, overlap
 from launcher.backends.colossalai.gemini import gemini_bytes, search_chunk_size
-from launcher.backends.ddp.layout import DDP_NOTES, bucket_bytes, ddp_layout
+from launcher.backends.ddp.layout import DDP_NOTES, bucket_bytes, construction_peak, ddp_layout
 from launcher.backends.deepspeed.zero3 import full_depth_numels
 from launcher.errors import ConfigError
 from launcher.memory.common import (DTYPE_BYTES, Layout, accumulated_gradients, add_modelled_states,
@@ -295,7 +295,7 @@ def colossalai_memory(traces, strategy, workload, ddp, cai, dp: int, device: str
     pair = (traces.depth1, traces.depth2)
     if strategy.name == "cai_ddp":
         return (traces, [ddp_layout(t, ddp, dp, workload.optimizer, True, workload.grad_accum_steps) for t in pair],
-                DDP_NOTES, {})
+                DDP_NOTES, {"setup": construction_peak(traces, with_buffers=False)})  # emit.py: broadcast_buffers=False
     z = _zero_setup(strategy, workload, cai, dp, device)
     if strategy.name == "cai_gemini":
         return (traces, [gemini_activation_layout(t) for t in pair], GEMINI_NOTES,

@@ -13,10 +13,14 @@ The model and the torch optimizer run exactly as traced. DDP changes two things:
   gradient autograd produced is freed when it is ready and the gradient storage is the buckets;
   with False, each gradient is copied into its bucket and the reduced bucket copied back
   (`finalize_bucket_dense`), so the buckets are a second copy of the gradients.
+
+Before the step, the constructor broadcasts the module's state from rank 0 (`_sync_module_states`
+-> `dist._broadcast_coalesced`), which copies it into flat buckets: `construction_peak`.
 """
 from __future__ import annotations
 
 from launcher.backends.base import LayoutSet
+from launcher.backends.ddp.emit import buffer_sync_kwarg
 from launcher.config import DDPConfig
 from launcher.memory.common import (Layout, accumulated_gradients, add_modelled_states, grad_ready_order,
                                     trainable_params, trainable_shapes)
@@ -24,6 +28,8 @@ from launcher.precision import TRACE_OPTIMIZER, torch_trace_request
 from launcher.steptrace import Kind, StepTrace
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DistributedDataParallel.__init__: self.broadcast_bucket_size
+BROADCASTS_IN_FLIGHT = 2  # torch/csrc/distributed/c10d/comm.cpp broadcast_coalesced: max_in_flight
 
 
 def bucket_bytes(trace: StepTrace, bucket_cap_mb: float) -> list[int]:
@@ -85,7 +91,10 @@ DDP_NOTES = (
     "DDP gradient_as_bucket_view=True: gradients are bucket views, autograd's gradient freed at "
     "ready; False: buckets are a second copy of the gradients.",
     "Not modelled: gradient clipping's per-parameter norm scalars, gloo/NCCL internal scratch "
-    "outside tensors, the construction-time parameter broadcast buffer (below the step peak).",
+    "outside tensors.",
+    "DDP construction: the state broadcast from rank 0 copies the parameters into flat buckets of up "
+    "to 250 MiB, two in flight (torch/csrc/distributed/c10d/comm.cpp broadcast_coalesced): the setup "
+    "phase, before gradient buckets and optimizer states exist.",
 )
 
 
@@ -101,12 +110,83 @@ def trace_request(strategy, workload) -> dict:
     return torch_trace_request(workload)
 
 
+def module_state_tensors(traces, with_buffers: bool) -> list[tuple[object, int]]:
+    """(bucket key, bytes) of each tensor `_sync_module_states` broadcasts, for the full-depth
+    model: its parameters in `named_parameters()` order (a tied parameter once, frozen ones too:
+    DDP ignores none), the decoder layers' repeated `num_layers` times from the deeper trace's last
+    layer, then (`with_buffers`) the module's buffers (the rows of kind BUFFER alive when the
+    forward starts, extrapolated in depth, as one tensor). The key stands for the tensor's dtype
+    (`BucketKey` groups by scalar type and device): its element size, or "buffers"."""
+    t = traces.depth2
+    p = t.params
+    rows = [i for i in range(len(p.numel)) if p.tied_to[i] < 0]
+    last = max((int(p.layer[i]) for i in rows), default=-1)
+    layer = [i for i in rows if p.layer[i] == last] if last >= 0 else []
+    first = next((n for n, i in enumerate(rows) if p.layer[i] >= 0), len(rows))
+    rest = [i for i in rows[first:] if p.layer[i] < 0]
+    seq = rows[:first] + layer * traces.num_layers + rest if last >= 0 else rows
+    out = [(int(p.element_size[i]), int(p.numel[i] * p.element_size[i])) for i in seq]
+    if with_buffers:
+        def buffers(tr):
+            start = tr.phases["forward"][0]
+            keep = (tr.kind == Kind.BUFFER) & (tr.alloc < start) & (tr.free >= start)
+            return int(tr.nbytes[keep].sum())
+        nbytes = int(round(traces.at_depth(buffers)))
+        if nbytes:
+            out.append(("buffers", nbytes))
+    return out
+
+
+def broadcast_buckets(tensors: list[tuple[object, int]], limit: int = BROADCAST_BUCKET_BYTES) -> list[tuple[int, int]]:
+    """(tensors, bytes) of each bucket `broadcast_coalesced` broadcasts, in its order:
+    `compute_bucket_assignment_by_size(tensors, {limit})` (reducer.cpp) fills one bucket per key
+    and closes it once it reaches the limit (`bucket.size >= bucket_size_limit`), appends the
+    unfinished ones, and sorts them by their first tensor's index."""
+    done, open_ = [], {}
+    for i, (key, nbytes) in enumerate(tensors):
+        first, count, size = open_.get(key, (i, 0, 0))
+        count, size = count + 1, size + nbytes
+        if size >= limit:
+            done.append((first, count, size))
+            open_.pop(key, None)
+        else:
+            open_[key] = (first, count, size)
+    return [(count, size) for _, count, size in sorted(done + list(open_.values()))]
+
+
+def broadcast_peak_bytes(buckets: list[tuple[int, int]]) -> int:
+    """The most bytes of flat buckets alive at once: `broadcast_coalesced` flattens each bucket
+    (`BroadcastWork`: `flatten_dense_tensors`, a copy, except for a bucket of one tensor, which is
+    a view of it: torch/csrc/utils/tensor_flatten.h) and keeps at most `BROADCASTS_IN_FLIGHT` in
+    flight, finishing (unflattening into the tensors and dropping) the oldest before it flattens
+    the next."""
+    k, flat = BROADCASTS_IN_FLIGHT, [size if count > 1 else 0 for count, size in buckets]
+    return max((sum(flat[max(0, j - k + 1):j + 1]) for j in range(len(flat))), default=0)
+
+
+def construction_peak(traces, with_buffers: bool) -> dict:
+    """{category: bytes} live at the peak of the constructor's state broadcast, on every rank (the
+    ranks other than 0 flatten into buckets of the same sizes to receive): the model's
+    parameters (and buffers) plus the flat buckets in flight (`broadcast_peak_bytes`). The
+    reducer's gradient buckets and the optimizer are created after it. On GPUs each flat bucket
+    is its own allocation (up to 250 MiB, two in flight); a small adapter step (LoRA at short
+    sequences) can peak here rather than in the step."""
+    tensors = module_state_tensors(traces, with_buffers)
+    state = {"parameters": sum(b for k, b in tensors if k != "buffers"),
+             "buffers": sum(b for k, b in tensors if k == "buffers")}
+    state["buffers"] += broadcast_peak_bytes(broadcast_buckets(tensors))
+    return state
+
+
 def memory(traces, strategy, workload, knobs, dp: int, device: str) -> LayoutSet:
-    """One layout per traced depth; every rank holds the same bytes."""
+    """One layout per traced depth; every rank holds the same bytes. Wrapped in DDP, the
+    constructor's state broadcast is the `setup` phase (`construction_peak`; buffers are synced
+    too under `forward_sync_buffers`, emit.py)."""
     wrapped = strategy.name != "single"
     layouts = tuple(ddp_layout(t, knobs["ddp"], dp, workload.optimizer, wrapped, workload.grad_accum_steps)
                     for t in (traces.depth1, traces.depth2))
     notes = DDP_NOTES if wrapped else SINGLE_NOTES
     if workload.optimizer_in_backward:
         notes += IN_BACKWARD_NOTES
-    return LayoutSet(groups=(((), layouts),), traces=traces, notes=notes)
+    extra = {"setup": construction_peak(traces, buffer_sync_kwarg() == "forward_sync_buffers")} if wrapped else {}
+    return LayoutSet(groups=(((), layouts),), traces=traces, notes=notes, extra=extra)
