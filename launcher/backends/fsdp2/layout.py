@@ -17,8 +17,8 @@ autograd allocates them are kept; its parameters are replaced by FSDP2's storage
   a flat cast copy of the shards (`flat_foreach_copy_input`, freed after the copy-in), the flat
   all-gather output (world x padded shard numel, param dtype), then the unsharded parameters
   (`alloc_all_gather_outputs`, the same size). In forward the all-gather output is kept until the
-  next group's copy-out (implicit prefetch: `comm_ctx.all_gather_state`, freed in the next
-  `wait_for_unshard` or in the root's post-forward); in backward it is freed right after the
+  next group's copy-out is done (implicit prefetch: `comm_ctx.all_gather_state`, released when the
+  next `wait_for_unshard` returns, or in the root's post-forward); in backward it is freed right after the
   copy-out, and each block's pre-backward prefetches the previous block's all-gather
   (`_backward_prefetch`: `unshard` only, its copy-out at that block's own pre-backward);
 - unsharded parameters are freed after the block's forward (`reshard_after_forward=True`) or after
@@ -308,16 +308,25 @@ def fsdp2_layout(trace: StepTrace, s: FSDP2Setup) -> FSDP2Layout:
     lay.add("optimizer_states", "optimizer_states", optimizer_state_numel_factor(s.optimizer) * local
             + optimizer_step_scalar_bytes(s.optimizer, len(trainable)), host=s.offload)
 
+    def held(f: int) -> int:
+        """Where the previous group's forward all-gather output is freed, at the unshard of the
+        block starting at traced event `f`: after its copy-out (virtual event 1), when
+        `wait_for_unshard` returns. It drops `comm_ctx.all_gather_state` before the copy-out, but
+        its local `prev_all_gather_state` (the walrus in `if prev_all_gather_state := ...`) keeps
+        the result alive until the function ends."""
+        return lay.at(f, 2)
+
     # forward: root unshard at the start, then each block's unshard at its start
     lay.add("cast_copy", "buffers", cast_temp(root), lay.at(fs, 0), lay.at(fs, 1), stream=AG_STREAM)
-    lay.add("all_gather_output", "buffers", ag_out(root), lay.at(fs, 0), lay.at(F[0], 1) if n else lay.start(bs),
+    # a forward all-gather output lives until the next group's copy-out is done (`held`)
+    lay.add("all_gather_output", "buffers", ag_out(root), lay.at(fs, 0), held(F[0]) if n else lay.start(bs),
             stream=AG_STREAM)
     root_end = lay.reduce_ev(0)
     lay.add("unsharded_params", "parameters", unsharded(root), lay.at(fs, 1), root_end)
     for l, g in enumerate(blocks):
         a0, a1 = lay.at(F[l], 0), lay.at(F[l], 1)
         lay.add("cast_copy", "buffers", cast_temp(g), a0, a1, stream=AG_STREAM)
-        ag_end = lay.at(F[l + 1], 1) if l + 1 < n else lay.start(bs)
+        ag_end = held(F[l + 1]) if l + 1 < n else lay.start(bs)
         lay.add("all_gather_output", "buffers", ag_out(g), a0, ag_end, stream=AG_STREAM)
         end = lay.start(F[l + 1]) if s.reshard_after_forward else lay.at(B[l], 0)
         lay.add("unsharded_params", "parameters", unsharded(g), a1, end)
