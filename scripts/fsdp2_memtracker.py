@@ -49,6 +49,7 @@ def measured_peak(model: str, strategy: str, precision: str, ckpt: bool, steps: 
     from launcher.backends.fsdp2.emit import plan_config
     from launcher.backends.fsdp2.rules import STRATEGIES, model_dtype
     from launcher.backends.fsdp2.worker import FSDP2Backend
+    from launcher.runspec import RunSpec
     from launcher.worker.model import build_config
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
@@ -61,9 +62,9 @@ def measured_peak(model: str, strategy: str, precision: str, ckpt: bool, steps: 
         if ckpt:
             net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         net.train()
-        spec = SimpleNamespace(framework_config=plan_config(STRATEGIES[strategy], precision, WORLD),
-                               optimizer="adamw_torch", learning_rate=1e-3, weight_decay=0.0, warmup_steps=0,
-                               grad_accum_steps=1, max_grad_norm=0.0)
+        spec = RunSpec(run_dir="", backend="fsdp2", strategy=strategy, model_name=model, hf_config={},
+                       framework_config=plan_config(STRATEGIES[strategy], precision, WORLD), optimizer="adamw_torch",
+                       learning_rate=1e-3, weight_decay=0.0, warmup_steps=0, grad_accum_steps=1, max_grad_norm=0.0)
         meter = SimpleNamespace(phase=lambda name: _null(), track_external=lambda *a: None)
         backend = FSDP2Backend(net, spec, SimpleNamespace(world_size=WORLD, device="cpu"), None, meter)
         ids = torch.randint(0, net.config.vocab_size, (MICRO, SEQ_LEN))
