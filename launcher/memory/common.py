@@ -246,22 +246,24 @@ def four_bit_params(trace: StepTrace) -> dict:
     return out
 
 
-def full_depth_numels(trace: StepTrace, num_layers: int, frozen_too: bool = False,
-                      numel: dict | None = None) -> list[int]:
-    """The trainable (`frozen_too`: all) parameters of the real-depth model in forward order: the
-    shallow trace's parameters before its first layer, its layer-0 parameters repeated
-    `num_layers` times, then the rest. `numel`: {parameter index: numel} where a framework sees
-    another numel than the traced one (ZeRO-3's packed 4-bit weights)."""
+def full_depth_order(trace: StepTrace, num_layers: int, frozen_too: bool = False) -> list[int]:
+    """The trainable (`frozen_too`: all) parameters of the real-depth model in forward
+    (`named_parameters()`) order, as indices into the shallow trace's parameters: those before its
+    first layer, its layer-0 parameters repeated `num_layers` times, then the rest."""
     p = trace.params
-    numel = numel or {}
-    n = lambda i: int(numel.get(i, p.numel[i]))  # noqa: E731
     idx = [i for i in distinct_params(trace) if frozen_too or p.trainable[i]]
     in_layer = [k for k, i in enumerate(idx) if p.layer[i] >= 0]
     first, last = (in_layer[0], in_layer[-1]) if in_layer else (len(idx), len(idx) - 1)
-    layer0 = [n(i) for i in idx if p.layer[i] == 0]
-    before = [n(i) for i in idx[:first]]
-    after = [n(i) for i in idx[last + 1:]]
-    return before + layer0 * num_layers + after
+    layer0 = [i for i in idx if p.layer[i] == 0]
+    return idx[:first] + layer0 * num_layers + idx[last + 1:]
+
+
+def full_depth_numels(trace: StepTrace, num_layers: int, frozen_too: bool = False,
+                      numel: dict | None = None) -> list[int]:
+    """The numels of `full_depth_order`'s parameters. `numel`: {parameter index: numel} where a
+    framework sees another numel than the traced one (ZeRO-3's packed 4-bit weights)."""
+    numel, p = numel or {}, trace.params
+    return [int(numel.get(i, p.numel[i])) for i in full_depth_order(trace, num_layers, frozen_too)]
 
 
 def layer_numel(trace: StepTrace) -> int:

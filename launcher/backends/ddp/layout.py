@@ -22,8 +22,8 @@ from __future__ import annotations
 from launcher.backends.base import LayoutSet
 from launcher.backends.ddp.emit import buffer_sync_kwarg
 from launcher.config import DDPConfig
-from launcher.memory.common import (Layout, accumulated_gradients, add_modelled_states, grad_ready_order,
-                                    trainable_params, trainable_shapes)
+from launcher.memory.common import (Layout, accumulated_gradients, add_modelled_states, four_bit_params,
+                                    full_depth_order, grad_ready_order, trainable_params, trainable_shapes)
 from launcher.precision import TRACE_OPTIMIZER, torch_trace_request
 from launcher.steptrace import Kind, StepTrace
 
@@ -110,22 +110,24 @@ def trace_request(strategy, workload) -> dict:
     return torch_trace_request(workload)
 
 
-def module_state_tensors(traces, with_buffers: bool) -> list[tuple[object, int]]:
-    """(bucket key, bytes) of each tensor `_sync_module_states` broadcasts, for the full-depth
-    model: its parameters in `named_parameters()` order (a tied parameter once, frozen ones too:
-    DDP ignores none), the decoder layers' repeated `num_layers` times from the deeper trace's last
-    layer, then (`with_buffers`) the module's buffers (the rows of kind BUFFER alive when the
-    forward starts, extrapolated in depth, as one tensor). The key stands for the tensor's dtype
-    (`BucketKey` groups by scalar type and device): its element size, or "buffers"."""
+def module_state_tensors(traces, with_buffers: bool) -> tuple[list[tuple[object, int]], int]:
+    """((bucket key, bytes) of each tensor `_sync_module_states` broadcasts, the bytes of the 4-bit
+    weights' quantization states) for the full-depth model: its parameters in `named_parameters()`
+    order (common.py `full_depth_order`: a tied parameter once, frozen ones too, DDP ignores none;
+    a 4-bit base weight as its packed uint8 storage, `four_bit_params`, whose `QuantState` is an
+    attribute, not broadcast), then (`with_buffers`) the module's buffers (the rows of kind BUFFER
+    alive when the forward starts, extrapolated in depth, as one tensor). The key stands for the
+    tensor's dtype (`BucketKey` groups by scalar type and device): its element size, or
+    "buffers"."""
     t = traces.depth2
-    p = t.params
-    rows = [i for i in range(len(p.numel)) if p.tied_to[i] < 0]
-    last = max((int(p.layer[i]) for i in rows), default=-1)
-    layer = [i for i in rows if p.layer[i] == last] if last >= 0 else []
-    first = next((n for n, i in enumerate(rows) if p.layer[i] >= 0), len(rows))
-    rest = [i for i in rows[first:] if p.layer[i] < 0]
-    seq = rows[:first] + layer * traces.num_layers + rest if last >= 0 else rows
-    out = [(int(p.element_size[i]), int(p.numel[i] * p.element_size[i])) for i in seq]
+    p, packed = t.params, four_bit_params(t)
+    out, quant_state = [], 0
+    for i in full_depth_order(t, traces.num_layers, frozen_too=True):
+        if i in packed:
+            out.append((1, packed[i][0]))
+            quant_state += packed[i][1]
+        else:
+            out.append((int(p.element_size[i]), int(p.numel[i] * p.element_size[i])))
     if with_buffers:
         def buffers(tr):
             start = tr.phases["forward"][0]
@@ -134,7 +136,7 @@ def module_state_tensors(traces, with_buffers: bool) -> list[tuple[object, int]]
         nbytes = int(round(traces.at_depth(buffers)))
         if nbytes:
             out.append(("buffers", nbytes))
-    return out
+    return out, quant_state
 
 
 def broadcast_buckets(tensors: list[tuple[object, int]], limit: int = BROADCAST_BUCKET_BYTES) -> list[tuple[int, int]]:
@@ -171,8 +173,8 @@ def construction_peak(traces, with_buffers: bool) -> dict:
     reducer's gradient buckets and the optimizer are created after it. On GPUs each flat bucket
     is its own allocation (up to 250 MiB, two in flight); a small adapter step (LoRA at short
     sequences) can peak here rather than in the step."""
-    tensors = module_state_tensors(traces, with_buffers)
-    state = {"parameters": sum(b for k, b in tensors if k != "buffers"),
+    tensors, quant_state = module_state_tensors(traces, with_buffers)
+    state = {"parameters": sum(b for k, b in tensors if k != "buffers") + quant_state,
              "buffers": sum(b for k, b in tensors if k == "buffers")}
     state["buffers"] += broadcast_peak_bytes(broadcast_buckets(tensors))
     return state
