@@ -363,7 +363,8 @@ def pipeline_stage_params(trace: StepTrace, stage: int, pp_size: int) -> list[in
     return out
 
 
-def pipeline_stage_layout(trace: StepTrace, z: ZeroSetup, stage: int, pp_size: int, micro: int) -> Layout:
+def pipeline_stage_layout(trace: StepTrace, z: ZeroSetup, stage: int, pp_size: int, micro: int,
+                          earlier_pass: bool = False) -> Layout:
     """One pipeline stage of HybridParallelPlugin (zero_stage 0, no DDP wrap: `hybrid_uses_torch_ddp`)
     under 1F1B (pipeline/schedule/one_f_one_b.py `OneForwardOneBackwardSchedule.run_forward_backward`),
     from the traced step (the traced layers stand for the stage's own; depth is extrapolated to the
@@ -393,7 +394,10 @@ def pipeline_stage_layout(trace: StepTrace, z: ZeroSetup, stage: int, pp_size: i
       backward (`input_objs`/`output_objs`): the k - 1 others (each the stage's rows allocated in
       forward and alive at its end) are added over forward and backward. Gradients accumulate over
       the micro-batches (`.grad` kept until `zero_grad`): when m > k a forward runs after a
-      backward with every gradient alive, and later backwards start with them;
+      backward with every gradient alive, and later backwards start with them; so does every
+      forward of the step's last schedule when an earlier one ran in the same optimizer step
+      (`earlier_pass`: gradient accumulation over more micro-batches than `num_microbatches`, the
+      worker's `_pipeline_micro_step` runs one schedule per `num_microbatches`);
     - when m > k, that forward also runs with the previous backward's micro-batch still referenced
       by the steady-state loop's locals until `forward_step` returns (`output_obj` is rebound to its
       result; `output_obj_grad` only by the `send_forward_recv_backward` after it): on a non-last
@@ -452,7 +456,7 @@ def pipeline_stage_layout(trace: StepTrace, z: ZeroSetup, stage: int, pp_size: i
     grads = layout.rows(Kind.GRAD)
     grad_bytes = int(t.nbytes[grads].sum())
     end = layout.reduce_ev(0)
-    if micro > k:
+    if micro > k or earlier_pass:
         layout.add("accumulated_gradients", "gradients", grad_bytes, fa, fb)
     if micro > 1 and stage > 0:
         # the previous backward's `input_obj_grad` stays referenced until the next `backward_step`
@@ -482,7 +486,7 @@ def pipeline_stage_layout(trace: StepTrace, z: ZeroSetup, stage: int, pp_size: i
                 layout.mask &= ~fp32
                 layout.add("log_softmax_16bit", "activations", shifted * vocab * z.model_bytes,
                            int(layout.alloc[fp32].min()), int(layout.free[fp32].max()))
-    if micro > 1 and (micro > k or grad_bytes > inflight):
+    if earlier_pass or (micro > 1 and (micro > k or grad_bytes > inflight)):
         layout.alloc[grads] = np.minimum(layout.alloc[grads], ba)
     if micro > k or inflight >= grad_bytes:
         layout.add("inflight_microbatches", "activations", inflight, fa, end)
@@ -508,8 +512,9 @@ def pipeline_memory(traces, strategy, workload, cai, dp: int, device: str) -> La
     z = _zero_setup(strategy, workload, cai, dp, device)
     pp, m = strategy.pp_size, num_microbatches(cai, strategy.pp_size)
     depth = max(pipeline_stage_layers(traces.num_layers, pp))
+    earlier = workload.grad_accum_steps > m  # the worker runs a schedule per m micro-batches
     groups = tuple((pipeline_stage_ranks(s, dp, pp, strategy.tp_size),
-                    tuple(pipeline_stage_layout(t, z, s, pp, m) for t in (traces.depth1, traces.depth2)))
+                    tuple(pipeline_stage_layout(t, z, s, pp, m, earlier) for t in (traces.depth1, traces.depth2)))
                    for s in range(pp))
     extra = tp_activation_extra(traces, strategy.tp_size, z.model_bytes)
     notes = (f"ColossalAI cai_pp: each of the {pp} stages from the traced step (its parameters, its "
