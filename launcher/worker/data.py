@@ -125,7 +125,9 @@ class SampleOrder:
             import torch
 
             gen = torch.Generator().manual_seed(self.seed + epoch)
-            self._perm = torch.randperm(self.num_blocks, generator=gen).numpy()
+            # kept as a numpy copy: the sampler's order lives in host memory, not in a torch
+            # storage that the worker's allocation tracker would count as training memory
+            self._perm = torch.randperm(self.num_blocks, generator=gen).numpy().copy()
             self._epoch = epoch
         return int(self._perm[offset])
 
