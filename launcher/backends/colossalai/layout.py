@@ -5,9 +5,9 @@
 - cai_tp (hybrid_parallel_plugin.py): the tensor-parallel shard model is traced (trace.py
   `tp_shard_config`); ZeRO 1/2 on the DP group is `lowlevel_zero_layout`, stage 0 is
   `hybrid_stage0_layout`; TP buffers are added in `tp_extra_bytes`.
-- cai_pp (zero_stage 0): one layout per pipeline stage from the traced step
-  (`pipeline_stage_layout`); with zero_stage 1/2 the stage is still bounded by
-  `pipeline_inflight_bytes`.
+- cai_pp: one layout per pipeline stage from the traced step (`pipeline_stage_layout`), its
+  optimizer HybridParallel's mixed-precision one (zero_stage 0) or LowLevelZero on the stage's
+  parameters (zero_stage 1: `lowlevel_zero_layout`).
 - cai_gemini (gemini_plugin.py): chunk layout from gemini.py plus the traced activations.
 """
 from __future__ import annotations
@@ -66,7 +66,8 @@ def buckets(order: list[tuple[int, int]], bucket_numel: int, dp: int) -> list[tu
     return out + [(len(order), current)] if current else out
 
 
-def lowlevel_zero_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
+def lowlevel_zero_layout(trace: StepTrace, z: ZeroSetup, params: list[int] | None = None,
+                         store_from_start: bool = False) -> Layout:
     """Stage 1/2 storages (low_level_optim.py):
     - working parameters: padded copies when numel % dp != 0 (`F.pad`, param.data = a view);
     - fp32 master partitions: `splited_params.detach().clone().float()` (padded numel / dp each);
@@ -89,9 +90,14 @@ def lowlevel_zero_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
       `grad.double().norm()` per partition, AdamW, then the updated partitions are cast back and
       all-gathered through `TensorBucket`s (`gather_peak_numel`). `release_param_grad` drops the
       fp32 gradients after the update, but `step`'s loop variable `grad` still holds the last
-      parameter's until `step` returns: alive through the all-gather with a 16-bit model."""
+      parameter's until `step` returns: alive through the all-gather with a 16-bit model.
+    `params`: the parameters the optimizer holds (a pipeline stage's, `pipeline_stage_layout`).
+    `store_from_start`: an earlier reduction of the same optimizer step filled the gradient store
+    (a pipeline's earlier schedule), so stage 1's reduced gradients live from the step's start and
+    the reduction adds into them (`_update_unpartitoned_grad`: `add_gradients_by_param_id`)."""
     p, e, dp = trace.params, z.model_bytes, z.dp
-    idx = trainable_params(trace)
+    held = None if params is None else set(params)  # a pipeline stage's parameters only
+    idx = [i for i in trainable_params(trace) if held is None or i in held]
     numels = [int(p.numel[i]) for i in idx]
     pads = [padded(n, dp) for n in numels]
     parts = [n // dp for n in pads]
@@ -133,7 +139,7 @@ def lowlevel_zero_layout(trace: StepTrace, z: ZeroSetup) -> Layout:
         layout.free[g] = r1
         largest = max((e * sum(s) for _, s in buckets(order, z.bucket_numel, dp)), default=0)
         layout.add("reduce_flat", "gradients", largest, r0, r1)
-        layout.add("reduced_grads", "gradients", e * sum(pads), r1, end)
+        layout.add("reduced_grads", "gradients", e * sum(pads), 0 if store_from_start else r1, end)
     if z.stage == 1 and z.grad_accum_steps > 1:  # the worker's no_sync micro-batches sum in autograd
         accumulated_gradients(layout)
     if e != 4:
@@ -157,7 +163,8 @@ def gather_peak_numel(parts: list[int], dp: int, bucket_numel: int, cast: bool) 
     (`all_gather_into_flat_tensor_nd`). A bucket's `all_gather` holds its partitions, their flat
     copy, a dp x flat buffer and, rebuilding each parameter (`_flatten_dense_tensors` of its dp
     shards, padded numel), the previous parameter's rebuilt tensor next to the current one: two
-    consecutive parameters', not the two largest. The cast copy of the partition that did not fit
+    consecutive parameters', not the two largest (none at dp 1: one shard is rebuilt as a view).
+    The cast copy of the partition that did not fit
     (or is gathered directly) already exists beside the bucket's."""
     best, bucket = 0, []
     copy = (lambda n: n) if cast else (lambda n: 0)
@@ -166,7 +173,9 @@ def gather_peak_numel(parts: list[int], dp: int, bucket_numel: int, cast: bool) 
         if not members:
             return 0
         flat = sum(members)
-        pair = max((dp * (a + b) for a, b in zip(members, members[1:])), default=dp * members[0])
+        # rebuilding from one shard (dp 1) is a view: `_flatten_dense_tensors` of a single tensor
+        # returns it flattened, without a copy (torch/csrc/utils/tensor_flatten.h)
+        pair = 0 if dp == 1 else max((dp * (a + b) for a, b in zip(members, members[1:])), default=dp * members[0])
         return copy(flat) + flat + dp * flat + pair
 
     for n in parts:
@@ -282,8 +291,8 @@ def _zero_setup(strategy, workload, cai, dp: int, device: str) -> ZeroSetup:
 
 def memory(traces, strategy, workload, knobs, dp: int, device: str) -> LayoutSet:
     """The plugin's `LayoutSet`: every rank of the data-parallel group holds the same bytes; a
-    pipeline (zero_stage 0) has one group of ranks per stage (`pipeline_memory`)."""
-    if strategy.pp_size > 1 and strategy.zero_stage == 0:
+    pipeline has one group of ranks per stage (`pipeline_memory`)."""
+    if strategy.pp_size > 1:
         return pipeline_memory(traces, strategy, workload, knobs["colossalai"], dp, device)
     traces, layouts, notes, extra = colossalai_memory(traces, strategy, workload, knobs["ddp"], knobs["colossalai"],
                                                       dp, device)
@@ -300,8 +309,6 @@ def colossalai_memory(traces, strategy, workload, ddp, cai, dp: int, device: str
     if strategy.name == "cai_gemini":
         return (traces, [gemini_activation_layout(t) for t in pair], GEMINI_NOTES,
                 gemini_extra(full_depth_numels(traces.depth1, traces.num_layers), z, cai))
-    if strategy.pp_size > 1:
-        traces = replace(traces, num_layers=max(1, traces.num_layers // strategy.pp_size))
     if strategy.zero_stage in (1, 2) and (strategy.name != "cai_tp" or dp > 1):
         layouts = [lowlevel_zero_layout(t, z) for t in pair]
     else:
@@ -310,21 +317,11 @@ def colossalai_memory(traces, strategy, workload, ddp, cai, dp: int, device: str
                                         bucket_views=ddp.gradient_as_bucket_view)
                    for t in pair]
     extra = tp_activation_extra(traces, strategy.tp_size, z.model_bytes)
-    if strategy.pp_size > 1:
-        extra = _add(extra, pipeline_inflight_bytes(traces, strategy.pp_size, cai))
     notes = (f"ColossalAI {strategy.name}: plugin precision model traced without optimizer"
              + (f" (tensor-parallel shard, tp={strategy.tp_size})" if strategy.tp_size > 1 else "")
              + "; LowLevelZero/Hybrid storages modelled from colossalai/zero/low_level and "
              "booster/plugin (launcher/backends/colossalai/layout.py).",)
     return traces, layouts, notes, extra
-
-
-def _add(a: dict, b: dict) -> dict:
-    out = {ph: dict(v) for ph, v in a.items()}
-    for ph, cats in b.items():
-        for c, n in cats.items():
-            out.setdefault(ph, {})[c] = out.get(ph, {}).get(c, 0) + n
-    return out
 
 
 def pipeline_stage_layers(num_layers: int, pp_size: int) -> list[int]:
@@ -365,11 +362,14 @@ def pipeline_stage_params(trace: StepTrace, stage: int, pp_size: int) -> list[in
 
 def pipeline_stage_layout(trace: StepTrace, z: ZeroSetup, stage: int, pp_size: int, micro: int,
                           earlier_pass: bool = False) -> Layout:
-    """One pipeline stage of HybridParallelPlugin (zero_stage 0, no DDP wrap: `hybrid_uses_torch_ddp`)
-    under 1F1B (pipeline/schedule/one_f_one_b.py `OneForwardOneBackwardSchedule.run_forward_backward`),
+    """One pipeline stage of HybridParallelPlugin (no DDP wrap: `hybrid_uses_torch_ddp`) under 1F1B (pipeline/schedule/one_f_one_b.py `OneForwardOneBackwardSchedule.run_forward_backward`),
     from the traced step (the traced layers stand for the stage's own; depth is extrapolated to the
     largest stage's, `pipeline_memory`):
-    - parameters, gradients and optimizer states of the stage's parameters only (`pipeline_stage_params`);
+    - parameters, gradients and optimizer states of the stage's parameters only (`pipeline_stage_params`),
+      under the mixed-precision optimizer (zero_stage 0, `hybrid_stage0_layout`) or LowLevelZero
+      (zero_stage 1, `lowlevel_zero_layout`: `execute_pipeline` runs the schedule under the
+      optimizer's `no_sync`, so gradients sum in autograd, and `sync_dp_grads` reduces them after
+      it, in parameter order, whatever overlap_communication says);
     - activations by where the traced step allocated them (`StepTrace.layer_bounds`): the layers' rows
       are every stage's; rows allocated after the last layer in forward or before its backward
       (final norm, LM head, loss) are the last stage's; before the first layer, the rows up to the
@@ -397,7 +397,8 @@ def pipeline_stage_layout(trace: StepTrace, z: ZeroSetup, stage: int, pp_size: i
       backward with every gradient alive, and later backwards start with them; so does every
       forward of the step's last schedule when an earlier one ran in the same optimizer step
       (`earlier_pass`: gradient accumulation over more micro-batches than `num_microbatches`, the
-      worker's `_pipeline_micro_step` runs one schedule per `num_microbatches`);
+      worker's `_pipeline_micro_step` runs one schedule per `num_microbatches`; under LowLevelZero
+      its `sync_dp_grads` moved them into the gradient store instead, alive from the step's start);
     - when m > k, that forward also runs with the previous backward's micro-batch still referenced
       by the steady-state loop's locals until `forward_step` returns (`output_obj` is rebound to its
       result; `output_obj_grad` only by the `send_forward_recv_backward` after it): on a non-last
@@ -412,7 +413,11 @@ def pipeline_stage_layout(trace: StepTrace, z: ZeroSetup, stage: int, pp_size: i
       keeps the m micro-batches' token ids and their concatenation (int64), of which the trace holds
       one micro-batch's."""
     params = pipeline_stage_params(trace, stage, pp_size)
-    layout = hybrid_stage0_layout(trace, z, [], params)
+    if z.stage:  # the schedule runs under the optimizer's no_sync; `sync_dp_grads` reduces after it
+        layout = lowlevel_zero_layout(trace, replace(z, overlap=False), params, store_from_start=earlier_pass)
+        earlier_pass = False  # the earlier schedules' gradients are in the store, not in autograd's
+    else:
+        layout = hybrid_stage0_layout(trace, z, [], params)
     t = layout.trace
     held = np.zeros(len(t.params.names), bool)
     held[params] = True
@@ -521,26 +526,6 @@ def pipeline_memory(traces, strategy, workload, cai, dp: int, device: str) -> La
              f"activations, p2p buffers, min(pp - stage, {m}) micro-batches in flight under 1F1B); "
              "launcher/backends/colossalai/layout.py `pipeline_stage_layout`.",)
     return LayoutSet(groups=groups, traces=replace(traces, num_layers=max(1, depth)), notes=notes, extra=extra)
-
-
-def pipeline_inflight_bytes(traces, pp_size: int, cai) -> dict:
-    """1F1B (pipeline/schedule/one_f_one_b.py `run_forward_backward`): stage 0 runs
-    min(p, m) warm-up forwards before its first backward, so it holds the saved activations of
-    up to p micro-batches (Narayanan et al., arXiv:2104.04473 sec. 2.2). The traced step holds one;
-    the other min(p, m) - 1 are added: the live bytes at the end of the traced forward minus at its
-    start, at the stage's depth. Each stage is estimated with the embedding and the LM head both
-    present (an upper bound for the worst rank: the embedding is on the first stage, the LM head
-    and the loss on the last). Used with zero_stage 1/2; zero_stage 0 is modelled per stage
-    (`pipeline_memory`)."""
-    m = num_microbatches(cai, pp_size)
-
-    def saved(t):
-        curve = t.live_curve()
-        a, b = t.phases["forward"]
-        return int(curve[b - 1] - curve[a])
-    per_micro = int(traces.at_depth(saved))
-    extra = max(0, min(pp_size, m) - 1) * per_micro
-    return {"forward": {"activations": extra}, "backward": {"activations": extra}}
 
 
 def gemini_activation_layout(trace: StepTrace) -> Layout:
