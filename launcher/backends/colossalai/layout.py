@@ -44,7 +44,9 @@ class ZeroSetup:
     bucket_numel: int  # reduce_bucket_size (LowLevelZeroPlugin: reduce_bucket_size_in_m * 2**20)
     overlap: bool  # overlap_communication (reduction hooks even at stage 1)
     optimizer: str
-    grad_accum_steps: int = 1  # micro-batches per optimizer step (stage 1 under no_sync before the last)
+    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    no_sync: bool = True  # the worker runs the micro-batches before the last under no_sync (stage 1 of
+    #                       LowLevelZeroPlugin); HybridParallel's ZeRO reduces every micro-batch
 
 
 def padded(numel: int, dp: int) -> int:
@@ -96,6 +98,8 @@ def lowlevel_zero_layout(trace: StepTrace, z: ZeroSetup, params: list[int] | Non
     (a pipeline's earlier schedule), so stage 1's reduced gradients live from the step's start and
     the reduction adds into them (`_update_unpartitoned_grad`: `add_gradients_by_param_id`)."""
     p, e, dp = trace.params, z.model_bytes, z.dp
+    # stage 1 reducing every micro-batch adds each into the store the first one filled
+    store_from_start = store_from_start or (z.stage == 1 and z.grad_accum_steps > 1 and not z.no_sync)
     held = None if params is None else set(params)  # a pipeline stage's parameters only
     idx = [i for i in trainable_params(trace) if held is None or i in held]
     numels = [int(p.numel[i]) for i in idx]
@@ -132,7 +136,7 @@ def lowlevel_zero_layout(trace: StepTrace, z: ZeroSetup, params: list[int] | Non
             if z.stage == 2:  # stage 1 keeps the flat copy itself as the reduced gradients
                 layout.add("reduce_flat", "gradients", flat, at, at + 1)
             # stage 2 reduces every micro-batch into the same partitions: alive from the step's start
-            accumulated = z.stage == 2 and z.grad_accum_steps > 1
+            accumulated = (z.stage == 2 and z.grad_accum_steps > 1) or store_from_start
             layout.add("reduced_grads", "gradients", keep(flat), 0 if accumulated else at, end)
     else:
         order = [(i, int(p.numel[i])) for i in idx]
@@ -140,7 +144,7 @@ def lowlevel_zero_layout(trace: StepTrace, z: ZeroSetup, params: list[int] | Non
         largest = max((e * sum(s) for _, s in buckets(order, z.bucket_numel, dp)), default=0)
         layout.add("reduce_flat", "gradients", largest, r0, r1)
         layout.add("reduced_grads", "gradients", e * sum(pads), 0 if store_from_start else r1, end)
-    if z.stage == 1 and z.grad_accum_steps > 1:  # the worker's no_sync micro-batches sum in autograd
+    if z.stage == 1 and z.grad_accum_steps > 1 and z.no_sync:  # the worker's no_sync micro-batches sum in autograd
         accumulated_gradients(layout)
     if e != 4:
         layout.add("fp32_grad_partitions", "gradients", 4 * total_part, s0, s2)
@@ -285,8 +289,9 @@ def _zero_setup(strategy, workload, cai, dp: int, device: str) -> ZeroSetup:
     return ZeroSetup(stage=strategy.zero_stage, model_bytes=DTYPE_BYTES[PLUGIN_DTYPE[workload.precision]],
                      dp=dp, bucket_numel=cai.reduce_bucket_size_in_m * MEGA, overlap=overlap(cai, device),
                      optimizer=workload.state_optimizer,
-                     # measured for LowLevelZeroPlugin only (HybridParallel's ZeRO with tp or pp: not modelled)
-                     grad_accum_steps=workload.grad_accum_steps if strategy.tp_size == strategy.pp_size == 1 else 1)
+                     # a pipeline accumulates over its micro-batches and schedules (`pipeline_stage_layout`)
+                     grad_accum_steps=workload.grad_accum_steps if strategy.pp_size == 1 else 1,
+                     no_sync=strategy.tp_size == 1)  # worker.py: no_sync for LowLevelZeroPlugin stage 1 only
 
 
 def memory(traces, strategy, workload, knobs, dp: int, device: str) -> LayoutSet:
