@@ -165,7 +165,7 @@ def test_deepspeed_lora_at_16_bits_is_built_in_16_bits(cli):
         assert abs(row["error_percent"]) <= BOUND_PERCENT, row
 
 
-@pytest.mark.parametrize("peft", ["lora", "qlora"])
+@pytest.mark.parametrize("peft", ["lora", pytest.param("qlora", marks=pytest.mark.long)])
 def test_ddp_construction_broadcast_measured_peak_matches_estimate(cli, peft):
     """DDP's constructor broadcasts the module state from rank 0 through flat buckets
     (`_broadcast_coalesced`: a copy of up to 250 MiB per bucket, two in flight). Under a bf16 LoRA
@@ -233,6 +233,7 @@ def test_gradient_accumulation_measured_peak_matches_estimate(cli, strategy, mod
 
 
 @_needs_shardformer()
+@pytest.mark.long
 @pytest.mark.parametrize("zero_stage", [0, 1])
 def test_pipeline_accumulation_over_two_schedules_measured_peak_matches_estimate(cli, zero_stage):
     """cai_pp with 4 micro-batches per optimizer step and num_microbatches = pp = 2: the worker runs
