@@ -367,7 +367,8 @@ def pipeline_stage_params(trace: StepTrace, stage: int, pp_size: int) -> list[in
 
 def pipeline_stage_layout(trace: StepTrace, z: ZeroSetup, stage: int, pp_size: int, micro: int,
                           earlier_pass: bool = False) -> Layout:
-    """One pipeline stage of HybridParallelPlugin (no DDP wrap: `hybrid_uses_torch_ddp`) under 1F1B (pipeline/schedule/one_f_one_b.py `OneForwardOneBackwardSchedule.run_forward_backward`),
+    """One pipeline stage of HybridParallelPlugin (no DDP wrap: `hybrid_uses_torch_ddp`) under 1F1B
+    (pipeline/schedule/one_f_one_b.py `OneForwardOneBackwardSchedule.run_forward_backward`),
     from the traced step (the traced layers stand for the stage's own; depth is extrapolated to the
     largest stage's, `pipeline_memory`):
     - parameters, gradients and optimizer states of the stage's parameters only (`pipeline_stage_params`),
