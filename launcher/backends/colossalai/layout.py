@@ -421,9 +421,9 @@ def pipeline_stage_layout(trace: StepTrace, z: ZeroSetup, stage: int, pp_size: i
     params = pipeline_stage_params(trace, stage, pp_size)
     if z.stage:  # the schedule runs under the optimizer's no_sync; `sync_dp_grads` reduces after it
         layout = lowlevel_zero_layout(trace, replace(z, overlap=False), params, store_from_start=earlier_pass)
-        earlier_pass = False  # the earlier schedules' gradients are in the store, not in autograd's
     else:
         layout = hybrid_stage0_layout(trace, z, [], params)
+    earlier_grads = earlier_pass and not z.stage  # in autograd's .grad (zero_stage 1: in the store)
     t = layout.trace
     held = np.zeros(len(t.params.names), bool)
     held[params] = True
@@ -467,7 +467,7 @@ def pipeline_stage_layout(trace: StepTrace, z: ZeroSetup, stage: int, pp_size: i
     grads = layout.rows(Kind.GRAD)
     grad_bytes = int(t.nbytes[grads].sum())
     end = layout.reduce_ev(0)
-    if micro > k or earlier_pass:
+    if micro > k or earlier_grads:
         layout.add("accumulated_gradients", "gradients", grad_bytes, fa, fb)
     if micro > 1 and stage > 0:
         # the previous backward's `input_obj_grad` stays referenced until the next `backward_step`
@@ -497,7 +497,7 @@ def pipeline_stage_layout(trace: StepTrace, z: ZeroSetup, stage: int, pp_size: i
                 layout.mask &= ~fp32
                 layout.add("log_softmax_16bit", "activations", shifted * vocab * z.model_bytes,
                            int(layout.alloc[fp32].min()), int(layout.free[fp32].max()))
-    if earlier_pass or (micro > 1 and (micro > k or grad_bytes > inflight)):
+    if earlier_grads or (micro > 1 and (micro > k or grad_bytes > inflight)):
         layout.alloc[grads] = np.minimum(layout.alloc[grads], ba)
     if micro > k or inflight >= grad_bytes:
         layout.add("inflight_microbatches", "activations", inflight, fa, end)
