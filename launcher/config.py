@@ -42,9 +42,11 @@ Optimizer = _enum(
 Attention = _enum(
     "Attention", ["eager", "sdpa", "flash_attention_2"], "transformers' attn_implementation."
 )
-CausalLmLoss = _enum("CausalLmLoss", ["model", "fp32_shift_copy"],
+CausalLmLoss = _enum("CausalLmLoss", ["model", "fp32_shift_copy", "shift_copy"],
                      "model: the installed transformers' causal-LM loss; fp32_shift_copy: transformers "
-                     "4.37-4.45's (fp32 logits returned by the model and a shifted contiguous copy).")
+                     "4.37-4.45's (fp32 logits returned by the model and a shifted contiguous copy); "
+                     "shift_copy: the same on the logits in the model's own dtype, no upcast (GPT-2, OPT "
+                     "and BLOOM forwards of transformers 4.2x-4.3x, Qwen (v1)'s remote code).")
 CheckpointPolicy = _enum(
     "CheckpointPolicy", ["full", "selective_op"],
     "What a checkpointed decoder layer keeps (launcher/checkpointing.py): full = only its inputs, "
@@ -224,7 +226,11 @@ class TrainingConfig:
     logits to fp32 inside the loss); fp32_shift_copy = transformers 4.37-4.45's causal-LM forwards
     (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM...: `logits = logits.float()` in the
     model, then `logits[..., :-1, :].contiguous()` before CrossEntropyLoss), for planning runs of
-    those versions; the worker runs the installed one, so such a plan is an estimate only."""
+    those versions; shift_copy = the same lines without the upcast: the cross-entropy runs on the
+    lm_head's 16-bit logits (transformers 4.2x-4.3x GPT2LMHeadModel, OPTForCausalLM,
+    BloomForCausalLM; Qwen (v1)'s modeling_qwen.py QWenLMHeadModel), as in a run without autocast
+    (DeepSpeed's fp16/bf16 engine: HF Trainer leaves mixed precision to it). The worker runs the
+    installed one, so such a plan is an estimate only."""
     checkpoint_policy: CheckpointPolicy = CheckpointPolicy["full"]  # type: ignore[valid-type]
     """With gradient_checkpointing: what each checkpointed layer keeps (full | selective_op,
     torchtitan's `activation_checkpoint.mode=selective, selective_ac_option=op`)."""

@@ -81,7 +81,7 @@ class TraceKey:
     gradient_checkpointing: bool = False
     checkpoint_policy: str = "full"  # with gradient_checkpointing: launcher/checkpointing.py POLICIES
     kernels: str = "torch"  # torch | liger: Liger's Triton kernels, traced as launcher/liger.py's stand-ins
-    loss: str = "model"  # model | fp32_shift_copy: transformers 4.37-4.45's causal-LM loss (`_loss`)
+    loss: str = "model"  # model | fp32_shift_copy | shift_copy: older causal-LM losses (`_loss`)
     optimizer: str = "adamw_foreach"  # adamw_foreach | adamw_single | adamw_fused | sgd | none
     optimizer_in_backward: bool = False  # one optimizer per parameter, stepped in its gradient hook (`_run_step`)
     trainable: str = "all"  # 'all' parameters train | 'lora': peft LoRA adapters on a frozen base
@@ -109,7 +109,7 @@ class TraceKey:
         _check(self.optimizer, OPTIMIZERS, "optimizer")
         _check(self.checkpoint_policy, checkpointing.POLICIES, "checkpoint_policy")
         _check(self.kernels, ("torch", "liger"), "kernels")
-        _check(self.loss, ("model", "fp32_shift_copy"), "loss")
+        _check(self.loss, ("model", "fp32_shift_copy", "shift_copy"), "loss")
         _check(self.trainable, ("all", "lora"), "trainable")
         _check(self.quant_type, (None, "nf4", "fp4", "gptq_int4", "gptq_int8", "torchao_nf4"), "quant_type")
         if self.trainable == "lora" and self.lora_r < 1:
@@ -377,13 +377,17 @@ def _loss(model, ids, key: TraceKey):
     if key.tp_size > 1:
         logits = model(input_ids=ids).logits
         return vocab_parallel_loss(logits, ids)
-    if key.loss == "fp32_shift_copy" and key.kernels != "liger":
-        # transformers 4.37-4.45, LlamaForCausalLM.forward (and Mistral's, Qwen2's...): `logits =
-        # logits.float()`, then `shift_logits = logits[..., :-1, :].contiguous()` into
-        # CrossEntropyLoss; HF Trainer's compute_loss drops the outputs before backward
+    if key.loss in ("fp32_shift_copy", "shift_copy") and key.kernels != "liger":
+        # fp32_shift_copy: transformers 4.37-4.45, LlamaForCausalLM.forward (and Mistral's,
+        # Qwen2's...): `logits = logits.float()`, then `shift_logits = logits[..., :-1,
+        # :].contiguous()` into CrossEntropyLoss. shift_copy: the same without the upcast
+        # (transformers 4.2x-4.3x GPT2LMHeadModel / OPTForCausalLM / BloomForCausalLM, Qwen (v1)'s
+        # QWenLMHeadModel: `shift_logits = lm_logits[..., :-1, :].contiguous()`). HF Trainer's
+        # compute_loss drops the outputs before backward
         import torch
 
-        logits = model(input_ids=ids).logits.float()
+        logits = model(input_ids=ids).logits
+        logits = logits.float() if key.loss == "fp32_shift_copy" else logits
         shift = logits[..., :-1, :].contiguous()
         return torch.nn.functional.cross_entropy(shift.view(-1, shift.shape[-1]), ids[..., 1:].contiguous().view(-1))
     return model(input_ids=ids, labels=ids).loss

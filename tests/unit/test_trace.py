@@ -114,6 +114,24 @@ def test_transformers_4_44_loss_peak_equals_memtracker(precision):
     assert t.phase_max(t.live_curve(), "forward") > installed.phase_max(installed.live_curve(), "forward")
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_sixteen_bit_shift_copy_loss_peak_equals_memtracker(dtype):
+    """training.causal_lm_loss=shift_copy: the cross-entropy on the lm_head's 16-bit logits and
+    their shifted copy (Qwen (v1)'s remote code; transformers 4.2x's BLOOM and OPT), as a run
+    without autocast computes it, against the real step. It holds less at the loss than the
+    fp32_shift_copy path (no fp32 copy of the logits) and more than the installed path's
+    16-bit logits alone (the shifted copy)."""
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=4096, num_hidden_layers=2)
+    k = key(cfg, param_dtype=dtype, attn_implementation="sdpa", optimizer="none", loss="shift_copy")
+    t = tr.trace_step(k)
+    real, _ = real_step(k)
+    assert abs(t.live_curve().max() - real) <= 0.01 * real, (t.live_curve().max(), real)
+    fp32 = tr.trace_step(dataclasses.replace(k, loss="fp32_shift_copy"))
+    forward = lambda x: x.phase_max(x.live_curve(), "forward")  # noqa: E731
+    assert forward(t) < forward(fp32), (forward(t), forward(fp32))
+
+
 @pytest.mark.parametrize("optimizer", ["adamw_single", "adamw_fused", "sgd", "sgd_plain"])
 def test_peak_per_optimizer_equals_memtracker(optimizer):
     k = key(llama(), seq_len=32, optimizer=optimizer)
