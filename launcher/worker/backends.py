@@ -59,3 +59,10 @@ def check_backend(spec, world_size: int) -> None:
 def make_backend(model, spec, env, plan, meter):
     check_backend(spec, env.world_size)
     return registry.load(registry.get(spec.backend).worker)(model, spec, env, plan, meter)
+
+
+def moves_model(spec) -> bool:
+    """True when the backend's worker takes the model as built on the host and moves it to the
+    device itself, a part at a time (its class's `MOVES_MODEL`), so the whole model is never on
+    the device at once; else the worker moves the whole model before the backend wraps it."""
+    return bool(getattr(registry.load(registry.get(spec.backend).worker), "MOVES_MODEL", False))

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 from launcher.errors import ConfigError
 from launcher.worker import checkpoint, layout, metrics, oom, stop
-from launcher.worker.backends import check_backend, make_backend
+from launcher.worker.backends import check_backend, make_backend, moves_model
 from launcher.worker.data import (PackedDataset, load_dataset, micro_batch_positions, read_documents,
                                   samples_per_step)
 from launcher.worker.memory import MemoryMeter
@@ -201,7 +201,9 @@ def train(spec, env: RankEnv, inputs: Inputs, dataset: PackedDataset, resume_dir
                           f"{saved_layout['world_size']} ranks; convert it first (launcher/worker/layout.py to_neutral)")
     with MemoryMeter(env.device, spec.measure_memory) as meter:
         with meter.phase("setup"):
-            model = build_model(spec, inputs.config, inputs.plan).to(device)
+            model = build_model(spec, inputs.config, inputs.plan)
+            if not moves_model(spec):
+                model = model.to(device)
             if neutral:
                 layout.load_neutral_weights(model, resume_dir)
             num_param_bytes = param_bytes(model)

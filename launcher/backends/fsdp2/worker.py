@@ -101,6 +101,13 @@ def clip_grad_norm(parameters, max_norm: float) -> float:
 
 
 class FSDP2Backend:
+    # The model arrives as built on the host: `fully_shard` moves each block's parameters and
+    # buffers to the mesh's device as it shards them (_fully_shard/_fsdp_init.py
+    # `_move_states_to_device`), and tensor parallelism's `distribute_tensor` moves each weight
+    # before splitting it, so the device holds one block unsharded at a time, never the whole
+    # model (which a model larger than one GPU would not fit)
+    MOVES_MODEL = True
+
     def __init__(self, model, spec, env, plan, meter) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
