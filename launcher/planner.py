@@ -22,7 +22,7 @@ from launcher.errors import ConfigError
 from launcher.lengths import VarlenRun
 from launcher.margin import confidence_note
 from launcher.memory import estimate as memory_model
-from launcher.memory import torchao_build
+from launcher.memory import host_build, torchao_build
 from launcher.memory.replay import ReplayMemo
 from launcher.memory.runtime import flash_attention_backward_bytes
 from launcher.model import ModelSpec, effective_attention
@@ -232,7 +232,11 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
     varlen = varlen_run(config, spec, cluster, strategy, wl, lora)
     mem = memory_model.estimate(traces, strategy, wl, cluster, knobs, dp, attention_workspace(spec, strategy, wl),
                                 replay_memo=replay_memo, varlen=varlen)
-    mem = replace(mem, notes=tuple(mem.notes) + trace.trace_notes(trace_key(spec, strategy, wl, lora)))
+    key = trace_key(spec, strategy, wl, lora)
+    mem = replace(mem, notes=tuple(mem.notes) + trace.trace_notes(key))
+    if cluster.device == "cpu":  # the host, where the worker builds the whole model, is the device
+        mem = host_build.with_host_build(mem, traces, strategy, wl, key.param_dtype,
+                                         quantized=lora is not None and lora.quant_type is not None)
     if cluster.device == "cuda" and lora is not None and lora.quant_type == "torchao_nf4":
         mem = torchao_build.with_build(mem, traces, config.peft.nf4_quantize_chunk, replay_memo)
     flops = step_flops(traces)

@@ -17,7 +17,7 @@ class Workload:
     attn_implementation: str  # eager | sdpa | flash_attention_2
     checkpoint_policy: str = "full"  # with gradient_checkpointing: full | selective_op (launcher/checkpointing.py)
     kernels: str = "torch"  # torch | liger (training.liger_kernel; launcher/liger.py)
-    causal_lm_loss: str = "model"  # model | fp32_shift_copy (training.causal_lm_loss)
+    causal_lm_loss: str = "model"  # model | fp32_shift_copy | shift_copy (training.causal_lm_loss)
     optimizer_in_backward: bool = False  # each parameter stepped in its gradient hook (training.optimizer_in_backward)
     sgd_momentum: float = 0.9  # training.sgd_momentum (with optimizer sgd; 0 = no momentum buffers)
     grad_accum_steps: int = 1  # micro-batches per optimizer step (the memory layouts; traces do not depend on it)
@@ -83,7 +83,7 @@ class MemoryEstimate:
     device_total_bytes: int  # what nvidia-smi shows: reserved + CUDA context + NCCL (CPU: = allocated)
     host_bytes: int  # host RAM per rank for offloaded states (0 without offload)
     breakdown: dict  # parameters, gradients, optimizer_states, activations, buffers, runtime -> bytes at the peak
-    peak_phase: str  # forward | backward | optimizer | setup (before the step: DDP's state broadcast)
+    peak_phase: str  # forward | backward | optimizer | setup (before the step: DDP's state broadcast, the build on CPU)
     notes: tuple = ()  # assumptions stated for this estimate
     # every data-parallel rank's peak allocated (the headline is their maximum) when ranks differ
     # (ZeRO 1-2: each rank's gradient partition); empty: every rank = peak_allocated_bytes

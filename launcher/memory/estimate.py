@@ -36,7 +36,8 @@ their own backward when the reuse distance keeps them all (zero3.py `gathered_pa
 else they are added at full depth to the forward and backward peaks. Before the step, a
 backend may add a `setup` phase (LayoutSet.extra["setup"]: DDP's construction-time state
 broadcast, launcher/backends/ddp/layout.py `construction_peak`), the estimate when it is the
-largest. Not modelled: building the model itself (its peak is below the step's), gradient-clipping norm
+largest. Building the model is the planner's (launcher/memory/host_build.py: on CPU processes the
+host build's peak, the setup phase when larger). Not modelled: gradient-clipping norm
 scalars, the loss scaler's small tensors, process-group internal scratch, side-stream late frees.
 """
 from __future__ import annotations

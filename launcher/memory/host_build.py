@@ -1,0 +1,77 @@
+"""On CPU processes, building the model is part of the run's peak: the worker builds the whole
+model on the host (launcher/worker/model.py `build_model`: `from_config` or `from_pretrained`,
+then peft) before any backend shards, partitions or wraps it, and on CPU processes the host is
+the device. Its parameters and buffers, in the dtype the worker builds them in
+(`precision_plan`), are all alive, with the construction's own temporaries: a model that ties its
+LM head to the embeddings first allocates the head's weight, then `tie_weights` drops it. The
+traced step records that build (launcher/trace.py, phase `build`); its peak, extrapolated to the
+real depth, is the run's `setup` peak when it exceeds the step's: a sharded strategy (FSDP2,
+ZeRO-3) whose step holds only a shard of the weights, adapters on a large frozen base, short
+sequences (opt-125m LoRA under fsdp2 at 8 tokens on 2 processes: 312.5 MiB at setup, against a
+step of 301.7).
+
+On GPUs the build is on the host: the worker moves the built model to the device whole (every
+backend but FSDP2, whose `fully_shard` moves one block at a time: launcher/backends/fsdp2/worker.py
+`MOVES_MODEL`), which is below the step's peak for a strategy that keeps the whole model, and is
+not modelled for ZeRO-3 (DeepSpeed's engine moves the whole module before partitioning it,
+deepspeed/runtime/engine.py `_configure_distributed_model`).
+
+Not modelled: quantized bases (bitsandbytes' and GPTQ's construction differs from the trace's
+stand-ins), tensor- and pipeline-parallel strategies (their traces build one shard or stage,
+the worker the whole model).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from launcher.memory.common import CATEGORIES
+from launcher.precision import FRAMEWORK, TORCH
+from launcher.steptrace import TraceSet, event_curve
+from launcher.types import MemoryEstimate, Strategy, Workload
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def worker_build_dtype(backend: str, precision: str) -> str:
+    """The dtype the worker builds the model in (launcher/worker/model.py `precision_plan`):
+    DeepSpeed's engine dtype (the model is built as the engine casts it), else the torch
+    precision's parameter dtype (fp32 under autocast)."""
+    return FRAMEWORK.get(precision, "float32") if backend == "deepspeed" else TORCH[precision][0]
+
+
+def build_peak_bytes(traces: TraceSet, traced_dtype: str, build_dtype: str) -> int:
+    """Peak live bytes of the traced `build` phase at the real depth (`TraceSet.phase_max`), with
+    the storages traced in `traced_dtype` (the strategy's trace holds the model as its framework
+    computes with it) counted in `build_dtype` (what the worker builds): adapters that peft keeps
+    in fp32 on a 16-bit model, integer buffers and inputs keep their own size."""
+    traced, built = DTYPE_BYTES[traced_dtype], DTYPE_BYTES[build_dtype]
+
+    def curve(t):
+        nbytes = t.nbytes
+        if traced != built:
+            nbytes = np.where(t.itemsize == traced, nbytes // traced * built, nbytes)
+        return event_curve(t.alloc, t.free, nbytes, t.num_events)
+    return int(round(traces.phase_max("build", curve)))
+
+
+def with_host_build(mem: MemoryEstimate, traces: TraceSet, strategy: Strategy, workload: Workload,
+                    traced_dtype: str, quantized: bool) -> MemoryEstimate:
+    """`mem` with the build's peak (`build_peak_bytes`) as its `setup` phase where that is the
+    larger, on every rank (each builds the whole model); unchanged for the cases the module
+    docstring leaves out."""
+    if quantized or strategy.tp_size > 1 or strategy.pp_size > 1:
+        return mem
+    dtype = worker_build_dtype(strategy.backend, workload.precision)
+    build = build_peak_bytes(traces, traced_dtype, dtype)
+    note = (f"CPU processes: building the whole model on the host ({dtype}) peaks at "
+            f"{build / 2**20:.1f} MiB (parameters, buffers and construction temporaries, traced); "
+            "the peak is the larger of that and the step's.")
+    if build <= mem.peak_allocated_bytes:
+        return replace(mem, notes=tuple(mem.notes) + (note,))
+    per_rank = tuple(max(b, build) for b in mem.per_rank_peak_allocated_bytes)
+    breakdown = {**dict.fromkeys(CATEGORIES, 0), "parameters": build, "runtime": 0}
+    return replace(mem, peak_allocated_bytes=build, peak_reserved_bytes=build, device_total_bytes=build,
+                   breakdown=breakdown, peak_phase="setup", notes=tuple(mem.notes) + (note,),
+                   per_rank_peak_allocated_bytes=per_rank)
