@@ -3,6 +3,7 @@ CLI on 2 CPU processes; the estimated per-rank peak must be within 1% of the pea
 bytes the allocation tracker measures in the real run, and measure.json must carry the step time
 measured without the tracker."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -172,12 +173,8 @@ def test_ddp_construction_broadcast_measured_peak_matches_estimate(cli, peft):
     step at 32 tokens that copy is the run's peak: small-llama read -31.8% (setup 73.8 MiB against
     a 50.3 MiB step) before the setup phase was laid out. Under QLoRA the 4-bit weights are
     broadcast as their packed bytes (counted at their traced bf16 size: +6.4%)."""
-    run_dir = cli.cwd / "run"
-    r = cli("model=small-llama", "hardware=cpu", "gpus=2", "strategy=ddp", f"peft={peft}", "mode=measure",
-            "report=json", "training.precision=bf16-true", "training.seq_len=32", "training.micro_batch_size=1",
-            "measure.memory_steps=2", "measure.timing_steps=0", "measure.warmup_steps=1",
-            f"hydra.run.dir={run_dir}", timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+    run_dir = _measure(cli, "model=small-llama", "gpus=2", "strategy=ddp", f"peft={peft}",
+                       "training.precision=bf16-true", "training.seq_len=32", "training.micro_batch_size=1")
     plan = json.loads((run_dir / "plan.json").read_text())
     assert plan["candidates"][plan["chosen"]]["memory"]["peak_phase"] == "setup"
     rows = _within_bound(run_dir)["memory"]
@@ -189,12 +186,8 @@ def test_host_build_measured_peak_matches_estimate(cli):
     LoRA step at 8 tokens on small-bloom (an LM head tied to a 32000-token embedding, whose own
     weight the construction allocates before `tie_weights` drops it) holds less than that build.
     Without the build's `setup` phase the estimate read -32.5% (40.8 MiB against 60.4)."""
-    run_dir = cli.cwd / "run"
-    r = cli("model=small-bloom", "hardware=cpu", "gpus=1", "strategy=single", "peft=lora", "mode=measure",
-            "report=json", "training.precision=bf16-true", "training.seq_len=8", "training.micro_batch_size=1",
-            "measure.memory_steps=2", "measure.timing_steps=0", "measure.warmup_steps=1",
-            f"hydra.run.dir={run_dir}", timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+    run_dir = _measure(cli, "model=small-bloom", "gpus=1", "strategy=single", "peft=lora",
+                       "training.precision=bf16-true", "training.seq_len=8", "training.micro_batch_size=1")
     plan = json.loads((run_dir / "plan.json").read_text())
     assert plan["candidates"][plan["chosen"]]["memory"]["peak_phase"] == "setup"
     rows = _within_bound(run_dir, world=1)["memory"]
@@ -206,12 +199,8 @@ def test_fsdp2_forward_all_gather_measured_peak_matches_estimate(cli):
     while the root's all-gather output is still alive: `wait_for_unshard` releases the previous
     group's result only when it returns. Freed before the copy-out, small-llama read -1.7% (one
     layer's gathered parameters)."""
-    run_dir = cli.cwd / "run"
-    r = cli("model=small-llama", "hardware=cpu", "gpus=2", "strategy=fsdp2", "peft=lora", "mode=measure",
-            "report=json", "training.precision=32-true", "training.seq_len=32", "training.micro_batch_size=1",
-            "measure.memory_steps=2", "measure.timing_steps=0", "measure.warmup_steps=1",
-            f"hydra.run.dir={run_dir}", timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+    run_dir = _measure(cli, "model=small-llama", "gpus=2", "strategy=fsdp2", "peft=lora",
+                       "training.precision=32-true", "training.seq_len=32", "training.micro_batch_size=1")
     rows = _within_bound(run_dir)["memory"]
     assert all(row["measured_peak_phase"] == "forward" for row in rows), rows
 
@@ -309,6 +298,16 @@ def _ranks_within_bound(run_dir, world: int = 2) -> None:
     for row in rows:
         err = 100 * (row["estimated_peak_bytes"] - row["measured_peak_bytes"]) / row["measured_peak_bytes"]
         assert abs(err) <= BOUND_PERCENT, (row, err)
+
+
+def _measure(cli, *overrides) -> Path:
+    """A `mode=measure` run on CPU processes (one warm-up step, two with the memory tracker, no
+    timing) with `overrides`; its run directory."""
+    run_dir = cli.cwd / "run"
+    r = cli(*overrides, "hardware=cpu", "mode=measure", "report=json", "measure.memory_steps=2",
+            "measure.timing_steps=0", "measure.warmup_steps=1", f"hydra.run.dir={run_dir}", timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return run_dir
 
 
 def _within_bound(run_dir, world: int = 2) -> dict:
