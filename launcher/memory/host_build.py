@@ -13,8 +13,9 @@ step of 301.7).
 On GPUs the build is on the host: the worker moves the built model to the device whole (every
 backend but FSDP2, whose `fully_shard` moves one block at a time: launcher/backends/fsdp2/worker.py
 `MOVES_MODEL`), which is below the step's peak for a strategy that keeps the whole model, and is
-not modelled for ZeRO-3 (DeepSpeed's engine moves the whole module before partitioning it,
-deepspeed/runtime/engine.py `_configure_distributed_model`).
+not modelled for those that shard it after that move: ZeRO-3 (DeepSpeed's engine also moves the
+whole module before partitioning it, deepspeed/runtime/engine.py `_configure_distributed_model`),
+ColossalAI's Gemini and its tensor- and pipeline-parallel plugins.
 
 Not modelled: quantized bases (bitsandbytes' and GPTQ's construction differs from the trace's
 stand-ins), tensor- and pipeline-parallel strategies (their traces build one shard or stage,
