@@ -53,12 +53,9 @@ def test_deepspeed_qlora_measured_peak_matches_estimate(cli, strategy):
     32k-token embedding and its 4-bit Linears are large enough to show either: with the 4-bit
     weights partitioned as 16-bit ones the estimate read +4.5%, with the embedding held gathered to
     the end of backward +11.4%. ZeRO-2 holds the 4-bit base whole, in bitsandbytes' uint8 storage."""
-    run_dir = cli.cwd / "run"
-    r = cli("model=small-llama", "hardware=cpu", "gpus=2", f"strategy={strategy}", "peft=qlora", "mode=measure",
-            "report=json", "training.seq_len=128", "training.micro_batch_size=2", "training.precision=bf16-mixed",
-            "measure.memory_steps=2", "measure.timing_steps=0", "measure.warmup_steps=1", *SMALL_BUCKETS,
-            f"hydra.run.dir={run_dir}", timeout=240)
-    assert r.returncode == 0, r.stderr[-2000:]
+    run_dir = _measure(cli, "model=small-llama", "gpus=2", f"strategy={strategy}", "peft=qlora",
+                       "training.seq_len=128", "training.micro_batch_size=2", "training.precision=bf16-mixed",
+                       *SMALL_BUCKETS, timeout=240)
     _within_bound(run_dir)
     plan = json.loads((run_dir / "plan.json").read_text())
     chosen = plan["candidates"][plan["chosen"]]
@@ -75,26 +72,21 @@ def test_zero3_prefetch_window_measured_peak_matches_estimate(cli, max_live):
     are gathered, so the gathered set grows to that limit (tiny-llama: 133,120 gatherable
     elements). With the limit counted as one prefetch bucket the estimate read -2.1% (limit 40,000)
     and -9.8% (DeepSpeed's default 10**9, where the whole model ends up gathered)."""
-    run_dir = cli.cwd / "run"
-    r = cli("model=tiny-llama", "hardware=cpu", "gpus=2", "strategy=zero3", "mode=measure", "report=json",
-            "training.seq_len=64", "training.micro_batch_size=2", "training.precision=32-true",
-            "measure.memory_steps=2", "measure.timing_steps=0", "measure.warmup_steps=1",
-            "deepspeed.reduce_bucket_size=200000", "deepspeed.stage3_prefetch_bucket_size=1000",
-            "deepspeed.stage3_param_persistence_threshold=100", "deepspeed.stage3_max_reuse_distance=0",
-            f"deepspeed.stage3_max_live_parameters={max_live}", f"hydra.run.dir={run_dir}", timeout=240)
-    assert r.returncode == 0, r.stderr[-2000:]
+    run_dir = _measure(cli, "model=tiny-llama", "gpus=2", "strategy=zero3", "training.seq_len=64",
+                       "training.micro_batch_size=2", "training.precision=32-true",
+                       "deepspeed.reduce_bucket_size=200000", "deepspeed.stage3_prefetch_bucket_size=1000",
+                       "deepspeed.stage3_param_persistence_threshold=100",
+                       "deepspeed.stage3_max_reuse_distance=0",
+                       f"deepspeed.stage3_max_live_parameters={max_live}", timeout=240)
     _within_bound(run_dir)
 
 
 def test_lora_with_the_base_trained_measured_peak_matches_estimate(cli):
     """peft.train_base=true (DeepSpeed-Chat's LoRA layers without --only_optimize_lora): the
     adapters and every base parameter train, so the base gets gradients and optimizer states."""
-    run_dir = cli.cwd / "run"
-    r = cli("model=tiny-llama", "hardware=cpu", "gpus=2", "strategy=ddp", "peft=lora", "peft.train_base=true",
-            "mode=measure", "report=json", "training.seq_len=128", "training.micro_batch_size=2",
-            "training.precision=bf16-mixed", "measure.memory_steps=2", "measure.timing_steps=0",
-            "measure.warmup_steps=1", f"hydra.run.dir={run_dir}", timeout=240)
-    assert r.returncode == 0, r.stderr[-2000:]
+    run_dir = _measure(cli, "model=tiny-llama", "gpus=2", "strategy=ddp", "peft=lora", "peft.train_base=true",
+                       "training.seq_len=128", "training.micro_batch_size=2", "training.precision=bf16-mixed",
+                       timeout=240)
     _within_bound(run_dir)
     plan = json.loads((run_dir / "plan.json").read_text())
     chosen = plan["candidates"][plan["chosen"]]
@@ -155,12 +147,9 @@ def test_deepspeed_lora_at_16_bits_is_built_in_16_bits(cli):
     first, which on CPU processes (host = device) was the run's peak: small-llama LoRA at ZeRO-0
     measured 89.3 MiB in setup against a 50.0 MiB step (-44%). Built in the dtype the engine casts
     to, as from_pretrained(dtype=...) loads it, the step is the peak again."""
-    run_dir = cli.cwd / "run"
-    r = cli("model=small-llama", "hardware=cpu", "gpus=2", "strategy=zero0", "peft=lora", "mode=measure",
-            "report=json", "training.precision=bf16-mixed", "training.seq_len=32", "training.micro_batch_size=1",
-            "training.optimizer=sgd", "measure.memory_steps=2", "measure.timing_steps=0", "measure.warmup_steps=1",
-            f"hydra.run.dir={run_dir}", timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+    run_dir = _measure(cli, "model=small-llama", "gpus=2", "strategy=zero0", "peft=lora",
+                       "training.precision=bf16-mixed", "training.seq_len=32", "training.micro_batch_size=1",
+                       "training.optimizer=sgd")
     for row in json.loads((run_dir / "measure.json").read_text())["memory"]:
         assert row["measured_peak_phase"] != "setup", row
         assert abs(row["error_percent"]) <= BOUND_PERCENT, row
@@ -226,13 +215,10 @@ def test_gradient_accumulation_measured_peak_matches_estimate(cli, strategy, mod
     ZeRO-1 the first micro-batch's ipg bucket, released only at the boundary), ZeRO-2 and
     ColossalAI's -1.2% to -2.3% (the partition every micro-batch reduces into; stage 1's no_sync
     gradients)."""
-    run_dir = cli.cwd / "run"
-    r = cli(f"model={model}", *more, "hardware=cpu", "gpus=2", f"strategy={strategy}", "mode=measure", "report=json",
-            "training.precision=bf16-mixed", f"training.seq_len={seq_len}", f"training.micro_batch_size={micro}",
-            f"training.global_batch_size={4 * micro}", "training.optimizer=sgd", "measure.memory_steps=2",
-            "measure.timing_steps=0", "measure.warmup_steps=1", *SMALL_BUCKETS, f"hydra.run.dir={run_dir}",
-            timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+    run_dir = _measure(cli, f"model={model}", *more, "gpus=2", f"strategy={strategy}",
+                       "training.precision=bf16-mixed", f"training.seq_len={seq_len}",
+                       f"training.micro_batch_size={micro}", f"training.global_batch_size={4 * micro}",
+                       "training.optimizer=sgd", *SMALL_BUCKETS)
     plan = json.loads((run_dir / "plan.json").read_text())
     assert plan["candidates"][plan["chosen"]]["grad_accum_steps"] == 2
     _ranks_within_bound(run_dir)
@@ -246,13 +232,10 @@ def test_pipeline_accumulation_over_two_schedules_measured_peak_matches_estimate
     two 1F1B schedules, and the second one's forwards run with the first one's gradients alive (in
     autograd's .grad, or with ZeRO-1 in LowLevelZero's gradient store). Laid out as one schedule,
     stage 0 read -1.3% (zero_stage 0), the last stage -1.7% (zero_stage 1)."""
-    run_dir = cli.cwd / "run"
-    r = cli("model=tiny-llama", "hardware=cpu", "gpus=2", "strategy=cai_pp", f"colossalai.zero_stage={zero_stage}",
-            "mode=measure", "report=json",
-            "training.precision=bf16-mixed", "training.seq_len=256", "training.micro_batch_size=4",
-            "training.global_batch_size=16", "training.optimizer=sgd", "measure.memory_steps=2",
-            "measure.timing_steps=0", "measure.warmup_steps=1", f"hydra.run.dir={run_dir}", timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+    run_dir = _measure(cli, "model=tiny-llama", "gpus=2", "strategy=cai_pp",
+                       f"colossalai.zero_stage={zero_stage}", "training.precision=bf16-mixed",
+                       "training.seq_len=256", "training.micro_batch_size=4", "training.global_batch_size=16",
+                       "training.optimizer=sgd")
     plan = json.loads((run_dir / "plan.json").read_text())
     assert plan["candidates"][plan["chosen"]]["grad_accum_steps"] == 4
     _ranks_within_bound(run_dir)
@@ -266,13 +249,10 @@ def test_hybrid_zero_accumulation_measured_peak_matches_estimate(cli, zero_stage
     for LowLevelZeroPlugin, so HybridParallel's ZeRO reduces every micro-batch, stage 1 adding into
     the store the first one filled (alive from the step's start), stage 2 into its partitions.
     Laid out as one micro-batch: -1.8% (stage 1), -0.9% (stage 2). Four processes."""
-    run_dir = cli.cwd / "run"
-    r = cli("model=tiny-llama", "hardware=cpu", "gpus=4", "strategy=cai_tp", "colossalai.tp_size=2",
-            f"colossalai.zero_stage={zero_stage}", "mode=measure", "report=json", "training.precision=bf16-mixed",
-            "training.seq_len=256", "training.micro_batch_size=4", "training.global_batch_size=16",
-            "training.optimizer=sgd", "measure.memory_steps=2", "measure.timing_steps=0", "measure.warmup_steps=1",
-            f"hydra.run.dir={run_dir}", timeout=400)
-    assert r.returncode == 0, r.stderr[-2000:]
+    run_dir = _measure(cli, "model=tiny-llama", "gpus=4", "strategy=cai_tp", "colossalai.tp_size=2",
+                       f"colossalai.zero_stage={zero_stage}", "training.precision=bf16-mixed",
+                       "training.seq_len=256", "training.micro_batch_size=4", "training.global_batch_size=16",
+                       "training.optimizer=sgd", timeout=400)
     _ranks_within_bound(run_dir, world=4)
 
 
@@ -281,12 +261,8 @@ def test_pipeline_zero1_measured_peak_matches_estimate(cli):
     """cai_pp with colossalai.zero_stage=1: LowLevelZero holds each stage's own parameters, and
     `execute_pipeline` reduces after the schedule. Bounded by the whole model's ZeRO-1 layout plus
     the in-flight micro-batches, small-llama read +65%."""
-    run_dir = cli.cwd / "run"
-    r = cli("model=small-llama", "hardware=cpu", "gpus=2", "strategy=cai_pp", "colossalai.zero_stage=1",
-            "mode=measure", "report=json", "training.precision=bf16-mixed", "training.seq_len=32",
-            "training.micro_batch_size=1", "measure.memory_steps=2", "measure.timing_steps=0",
-            "measure.warmup_steps=1", f"hydra.run.dir={run_dir}", timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+    run_dir = _measure(cli, "model=small-llama", "gpus=2", "strategy=cai_pp", "colossalai.zero_stage=1",
+                       "training.precision=bf16-mixed", "training.seq_len=32", "training.micro_batch_size=1")
     _ranks_within_bound(run_dir)
 
 
@@ -300,12 +276,12 @@ def _ranks_within_bound(run_dir, world: int = 2) -> None:
         assert abs(err) <= BOUND_PERCENT, (row, err)
 
 
-def _measure(cli, *overrides) -> Path:
+def _measure(cli, *overrides, timeout: int = 300) -> Path:
     """A `mode=measure` run on CPU processes (one warm-up step, two with the memory tracker, no
     timing) with `overrides`; its run directory."""
     run_dir = cli.cwd / "run"
     r = cli(*overrides, "hardware=cpu", "mode=measure", "report=json", "measure.memory_steps=2",
-            "measure.timing_steps=0", "measure.warmup_steps=1", f"hydra.run.dir={run_dir}", timeout=300)
+            "measure.timing_steps=0", "measure.warmup_steps=1", f"hydra.run.dir={run_dir}", timeout=timeout)
     assert r.returncode == 0, r.stderr[-2000:]
     return run_dir
 
