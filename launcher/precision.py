@@ -20,6 +20,13 @@ TRACE_OPTIMIZER = {"adamw_torch": "adamw_foreach", "adamw_torch_foreach": "adamw
 """HF optim name -> the optimizer the tracer steps for real (bitsandbytes': modelled, launcher/backends/ddp/layout.py)."""
 
 
+def model_dtype(precision: str, backend: str) -> str:
+    """The dtype the worker builds the model in: DeepSpeed's engine dtype (built as the engine
+    casts it, as from_pretrained(dtype=...) loads it), else the torch precision's parameter dtype
+    (fp32 under autocast)."""
+    return FRAMEWORK.get(precision, "float32") if backend == "deepspeed" else TORCH[precision][0]
+
+
 def torch_trace_request(workload) -> dict:
     """TraceKey fields of a model run as torch runs it, its torch optimizer traced for real."""
     param_dtype, autocast = TORCH[workload.precision]

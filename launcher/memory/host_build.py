@@ -2,7 +2,7 @@
 model on the host (launcher/worker/model.py `build_model`: `from_config` or `from_pretrained`,
 then peft) before any backend shards, partitions or wraps it, and on CPU processes the host is
 the device. Its parameters and buffers, in the dtype the worker builds them in
-(`precision_plan`), are all alive, with the construction's own temporaries: a model that ties its
+(launcher/precision.py `model_dtype`), are all alive, with the construction's own temporaries: a model that ties its
 LM head to the embeddings first allocates the head's weight, then `tie_weights` drops it. The
 traced step records that build (launcher/trace.py, phase `build`); its peak, extrapolated to the
 real depth, is the run's `setup` peak when it exceeds the step's: a sharded strategy (FSDP2,
@@ -27,19 +27,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from launcher.memory.common import CATEGORIES
-from launcher.precision import FRAMEWORK, TORCH
+from launcher.memory.common import CATEGORIES, DTYPE_BYTES
+from launcher.precision import model_dtype
 from launcher.steptrace import TraceSet, event_curve
 from launcher.types import MemoryEstimate, Strategy, Workload
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def worker_build_dtype(backend: str, precision: str) -> str:
-    """The dtype the worker builds the model in (launcher/worker/model.py `precision_plan`):
-    DeepSpeed's engine dtype (the model is built as the engine casts it), else the torch
-    precision's parameter dtype (fp32 under autocast)."""
-    return FRAMEWORK.get(precision, "float32") if backend == "deepspeed" else TORCH[precision][0]
 
 
 def build_peak_bytes(traces: TraceSet, traced_dtype: str, build_dtype: str) -> int:
@@ -64,7 +55,7 @@ def with_host_build(mem: MemoryEstimate, traces: TraceSet, strategy: Strategy, w
     docstring leaves out."""
     if quantized or strategy.tp_size > 1 or strategy.pp_size > 1:
         return mem
-    dtype = worker_build_dtype(strategy.backend, workload.precision)
+    dtype = model_dtype(workload.precision, strategy.backend)
     build = build_peak_bytes(traces, traced_dtype, dtype)
     note = (f"CPU processes: building the whole model on the host ({dtype}) peaks at "
             f"{build / 2**20:.1f} MiB (parameters, buffers and construction temporaries, traced); "

@@ -16,7 +16,7 @@ from launcher import checkpointing
 from launcher.errors import ConfigError
 from launcher.peft import LoraSettings
 from launcher.peft import apply_lora, quantize_base_4bit
-from launcher.precision import FRAMEWORK
+from launcher.precision import model_dtype
 
 PRECISIONS = ("32-true", "bf16-true", "bf16-mixed", "16-mixed")
 
@@ -31,17 +31,13 @@ class PrecisionPlan:
 def precision_plan(precision: str, backend: str, device: str) -> PrecisionPlan:
     if precision not in PRECISIONS:
         raise ConfigError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
-    if backend == "deepspeed":  # built in the dtype the engine casts it to (launcher/precision.py FRAMEWORK),
-        # as from_pretrained(dtype=...) loads it: the cast is then a no-op and no fp32 copy of a
-        # 16-bit model is ever held (on CPU processes the host is the device)
-        return PrecisionPlan(FRAMEWORK.get(precision, "float32"), None, False)
-    if precision == "32-true":
-        return PrecisionPlan("float32", None, False)
-    if precision == "bf16-true":
-        return PrecisionPlan("bfloat16", None, False)
+    dtype = model_dtype(precision, backend)  # DeepSpeed: the dtype its engine casts to, so the cast
+    # is a no-op and no fp32 copy of a 16-bit model is ever held (on CPU processes the host is the device)
+    if backend == "deepspeed" or precision in ("32-true", "bf16-true"):
+        return PrecisionPlan(dtype, None, False)
     if precision == "bf16-mixed":
-        return PrecisionPlan("float32", "bfloat16", False)
-    return PrecisionPlan("float32", "float16", device == "cuda")
+        return PrecisionPlan(dtype, "bfloat16", False)
+    return PrecisionPlan(dtype, "float16", device == "cuda")
 
 
 def build_config(hf_config: dict):

@@ -48,12 +48,9 @@ def test_build_peak_equals_the_real_build(traced, built):
     traces = tr.trace_set(k, FULL_DEPTH)
     estimate, real = build_peak_bytes(traces, traced, built), real_build_peak(tied_llama(), built)
     assert abs(estimate - real) <= 0.01 * real, (estimate, real)
-    embedding = 8192 * 64 * {"float32": 4, "bfloat16": 2}[built]
-    params = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(
-        _full(tied_llama())).parameters()) * {"float32": 4, "bfloat16": 2}[built]
-    assert real >= params + embedding, (real, params, embedding)
-
-
-def _full(cfg):
+    cfg = tied_llama()
     cfg.num_hidden_layers = FULL_DEPTH
-    return cfg
+    itemsize = getattr(torch, built).itemsize
+    params = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(cfg).parameters()) * itemsize
+    embedding = cfg.vocab_size * cfg.hidden_size * itemsize
+    assert real >= params + embedding, (real, params, embedding)
