@@ -7,7 +7,8 @@ from dataclasses import replace
 from launcher import trace
 from launcher.backends.colossalai.emit import num_microbatches
 from launcher.errors import ConfigError
-from launcher.parallel import pp_sizes, tp_degrees, tp_sizes
+from launcher.parallel import divisors, pp_sizes, tp_degrees, tp_sizes
+from launcher.tp_shard import degree_problem
 from launcher.types import Strategy
 
 
@@ -36,6 +37,8 @@ def expand(template: Strategy, config, spec) -> list[Strategy]:
         raise ConfigError(f"colossalai.zero_stage={cai.zero_stage}; use 0, 1 or 2")
     if template.name == "cai_tp":
         sizes = [cai.tp_size] if cai.tp_size not in (None, 1) else tps
+        if not sizes and config.strategy.name == "cai_tp":  # asked for by name, nothing to plan
+            raise ConfigError(f"strategy=cai_tp: {no_tp_size(config, spec)}; or strategy=auto")
         return [replace(template, tp_size=t, zero_stage=cai.zero_stage) for t in sizes]
     stage = min(cai.zero_stage, 1)  # hybrid_parallel_plugin.py: ZeRO-2 is not compatible with pp
     out = []
@@ -43,7 +46,23 @@ def expand(template: Strategy, config, spec) -> list[Strategy]:
         for t in ([cai.tp_size] if cai.tp_size is not None else [1, *tps]):
             if config.gpus % (t * p) == 0:
                 out.append(replace(template, pp_size=p, tp_size=t, zero_stage=stage))
+    if not out and config.strategy.name == "cai_pp":
+        valid = [d for d in divisors(spec.num_layers) if d > 1]
+        raise ConfigError(f"strategy=cai_pp: no pipeline size > 1 divides both gpus={config.gpus} and the "
+                          f"{spec.num_layers} layers; pipeline sizes valid for this model: {valid}, so use "
+                          "gpus=<a multiple of one of them>; or strategy=auto")
     return out
+
+
+def no_tp_size(config, spec) -> str:
+    """Why no tensor-parallel size > 1 can be planned on this cluster, and the GPU counts per node
+    that would allow one."""
+    per_node = config.gpus // max(1, config.nodes)
+    tried = "; ".join(f"tp={t}: {why}" for t, why in tp_degrees(config, spec).items()) or "none above 1"
+    valid = [t for t in range(2, 17) if not degree_problem(spec.model_type, spec.num_attention_heads,
+                                                            spec.num_key_value_heads, t)]
+    return (f"no tensor-parallel size fits {per_node} GPU(s) per node ({tried}); "
+            f"tp sizes valid for this model: {valid or 'none'}, so use gpus=<a multiple of one of them per node>")
 
 
 def grad_accum(strategy: Strategy, config, accum: int) -> int:

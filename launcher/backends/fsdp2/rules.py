@@ -59,7 +59,8 @@ def rules(strategy: Strategy) -> Rules:
 def problem(strategy: Strategy, ask: Ask) -> str:
     """The 2D mesh must cover the processes: tp_size divides them."""
     if strategy.tp_size > 1 and ask.num_processes % strategy.tp_size:
-        return f"{strategy.name}: tp_size={strategy.tp_size} does not divide {ask.num_processes} processes"
+        return (f"tp_size={strategy.tp_size} does not divide {ask.num_processes} processes; "
+                f"use gpus=<a multiple of {strategy.tp_size}>")
     return ""
 
 
