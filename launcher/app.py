@@ -16,7 +16,7 @@ from launcher import (calibrate, exports, fallback, infer_plan, launch, measure,
                       report_table, slurm)
 from launcher.calibrate import other_machine_note
 from launcher.config import LauncherConfig
-from launcher.environment import detect
+from launcher.environment import cache_dir_problem, detect
 from launcher import liger
 from launcher.errors import ConfigError
 from launcher.hardware import cluster_from, local_gpu_names
@@ -63,6 +63,9 @@ def main(cfg: DictConfig) -> None:
 
     config = to_config(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    why = cache_dir_problem(config.cache_dir)  # a sweep's jobs were not checked before Hydra ran them
+    if why:
+        raise ConfigError(why)
     if isinstance(config.resume, str):  # resume=<run dir>: continue that run (launcher/fallback.py)
 
         rc = fallback.resume_run(config, quiet=config.report.name == "json")

@@ -12,6 +12,7 @@ from typing import Iterator
 from launcher.catalogue import CONF_DIR, did_you_mean, group_options
 from launcher.config import register_schema
 from launcher.validate import to_config
+from launcher.environment import cache_dir_problem
 from launcher.errors import ConfigError, one_line
 from launcher import fallback, recipes
 from launcher import recipe_export
@@ -72,7 +73,11 @@ def prepare_argv(argv: list[str], validate: bool = True) -> list[str]:
 
 
 def check(config, resume: bool = True) -> None:
-    """What composing the overrides does not check: the model (its spec) and a resumed run."""
+    """What composing the overrides does not check: the cache directory, the model (its spec) and a
+    resumed run."""
+    why = cache_dir_problem(config.cache_dir)
+    if why:
+        raise ConfigError(why)
     if config.mode.name != "calibrate":  # calibration measures the machine, not a model
         model_spec(config)  # raises on any bad key, value or model
     why = mode_problem(config)

@@ -20,6 +20,20 @@ DEFAULT_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expandu
 replaces its parent)."""
 
 
+def cache_dir_problem(cache_dir: Optional[str]) -> str:
+    """Why `cache_dir` (default: DEFAULT_CACHE_DIR) cannot hold the caches, or ''. Makes the
+    directory when it can (every cache writes into it)."""
+    path = Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE_DIR
+    key = f"cache_dir={cache_dir}" if cache_dir else f"cache_dir (default {path})"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return f"{key}: cannot be made a directory ({err.strerror}); give a writable directory, e.g. cache_dir=/tmp/launcher-cache"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{key}: not writable; give a writable directory, e.g. cache_dir=/tmp/launcher-cache"
+    return ""
+
+
 @dataclass(frozen=True)
 class Env:
     installed: frozenset = frozenset()  # optional packages present, plus flags ('colossalai_shardformer')

@@ -893,7 +893,7 @@ def cached_trace(key: TraceKey, cache_dir: Optional[Path] = None) -> StepTrace:
 
 
 def _cache_path(h: str, cache_dir) -> Path:
-    return Path(cache_dir or DEFAULT_CACHE_DIR) / f"{h}.npz"
+    return Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / f"{h}.npz"
 
 
 class _Helper:

@@ -39,6 +39,20 @@ def test_bad_input_is_one_line_exit_2_nothing_written(cli, args, key, fix):
     assert not (cli.cwd / "runs").exists()
 
 
+@pytest.mark.parametrize("sweep", [[], ["-m"]], ids=["run", "sweep"])
+def test_a_cache_dir_that_cannot_be_a_directory_is_one_line_error(tmp_path, sweep):
+    """cache_dir under a file: the first cache write raised a traceback (FileNotFoundError or
+    NotADirectoryError from mkdir), in a single run and in each job of a sweep."""
+    from conftest import run_cli
+
+    r = run_cli(*sweep, "model=tiny-llama,tiny-bloom" if sweep else "model=tiny-llama", "gpus=2", "hardware=cpu",
+                "training.seq_len=64", "mode=plan", "cache_dir=/dev/null/cache", cwd=tmp_path)
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error: cache_dir=/dev/null/cache: ") and "writable" in lines[0]
+    assert not list(tmp_path.glob("runs/*/*/plan.json"))
+
+
 def test_config_json_that_is_not_a_decoder(cli, tmp_path):
     bert = tmp_path / "bert.json"
     bert.write_text(json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"], "hidden_size": 64,
