@@ -100,10 +100,30 @@ def check_composed(cfg, argv: list[str]) -> None:
 
     from omegaconf import open_dict, read_write
 
+    given = next((a.partition("=")[2] for a in argv if a.startswith("hydra.run.dir=")), None)
+    why = run_dir_problem(given) if given and "${" not in given else ""
+    if why:
+        raise ConfigError(why)
     task = copy.deepcopy(cfg)
     with read_write(task), open_dict(task):
         del task["hydra"]
     check(to_config(task, argv=_task_overrides(argv)), resume=False)
+
+
+def run_dir_problem(run_dir: str) -> str:
+    """Why Hydra cannot make the run directory the user gave (`hydra.run.dir`): its nearest
+    existing ancestor is a file, or not writable; or ''."""
+    import os
+
+    key = f"hydra.run.dir={run_dir}"
+    ancestor = Path(run_dir).expanduser().absolute()
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"{key}: {ancestor} is a file, not a directory; give hydra.run.dir=<a new directory>"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"{key}: {ancestor} is not writable; run from a writable directory or give hydra.run.dir=<a writable path>"
+    return ""
 
 
 def _task_overrides(argv: list[str]) -> list[str]:
@@ -247,6 +267,12 @@ def _explain(err: BaseException) -> str | None:
         first = re.sub(r"\s+", " ", text.strip().splitlines()[0]) if text.strip() else type(err).__name__
         k = re.search(r"full_key: ([\w.\-]+)", text)
         key = k.group(1) if k else getattr(err, "full_key", None)
+        e = re.search(r"Value .* \(dict\) is not a valid input for <enum '(\w+)'>", text)
+        if key and e:  # `init.x=...` on a key that takes one word
+            import launcher.config as schema
+
+            names = [m.name for m in getattr(schema, e.group(1), [])]
+            return f"{key}: takes one of [{', '.join(names)}], not sub-keys; e.g. {key}={names[0] if names else '...'}"
         return f"{key}: {first}" if key else first
     return None
 

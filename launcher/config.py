@@ -496,7 +496,7 @@ class CheckpointConfig:
     every_steps: int = 0
     """Save every N optimizer steps (0 = only at the end)."""
     keep: int = 2
-    """Checkpoints kept (older ones are deleted after a newer one is complete)."""
+    """Checkpoints kept (older ones are deleted after a newer one is complete); 0 = all."""
 
 
 @dataclass

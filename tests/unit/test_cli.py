@@ -25,6 +25,8 @@ BAD = [
     (["model=tiny-llama", "training.sgd_momentum=-1"], "training.sgd_momentum=-1.0", "zero or more"),
     (["model=tiny-llama", "hardware=cpu", "gpus=2", "training.seq_len=64", "training.length_profile=alpaca"],
      "training.length_profile=alpaca", "mode=plan"),
+    (["model=tiny-llama", "init.from=/x"], "init: takes one of [random, pretrained]", "init=random"),
+    (["model=tiny-llama", "hydra.run.dir=/dev/null/run"], "hydra.run.dir=/dev/null/run", "is a file"),
 ]
 
 
