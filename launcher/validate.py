@@ -31,13 +31,32 @@ def set_true_on_command_line(key: str, argv: list[str]) -> bool:
     return bool(values) and values[-1].strip().strip("'\"").lower() in ("true", "yes", "on", "y", "1")
 
 
+def data_path_problem(data_path: str) -> str:
+    """Why the worker cannot read `data.path` as a dataset (launcher/worker/data.py
+    `read_documents`), or '': it must be a .txt or .jsonl file, or a directory that
+    `datasets.save_to_disk` wrote (datasets load_from_disk reads its state.json, or a
+    DatasetDict's dataset_dict.json)."""
+    fix = "give a .txt, .jsonl, a datasets.save_to_disk directory, or data.path=demo"
+    path = Path(data_path).expanduser()
+    if data_path == "demo":
+        return ""
+    if not path.exists():
+        return f"data.path={data_path}: no such file or directory; {fix}"
+    if path.is_dir():
+        if not ((path / "state.json").exists() or (path / "dataset_dict.json").exists()):
+            return f"data.path={data_path}: a directory but not a datasets.save_to_disk dataset; {fix}"
+        return ""
+    if path.suffix not in (".txt", ".jsonl"):
+        return f"data.path={data_path}: unsupported file type {path.suffix!r}; {fix}"
+    return ""
+
+
 def run_problems(c: LauncherConfig) -> list[str]:
     """Limits of the run-time keys: dataset, resume, fallback, checkpoints, restarts, numbers."""
     out: list[str] = []
     t = c.training
-    if c.data.path != "demo" and not Path(c.data.path).expanduser().exists():
-        out.append(f"data.path={c.data.path}: no such file or directory; give a .txt, .jsonl, a "
-                   f"datasets.save_to_disk directory, or data.path=demo")
+    data_why = data_path_problem(c.data.path)
+    out += [data_why] if data_why else []
     if not isinstance(c.resume, (bool, str)):
         out.append(f"resume={c.resume}: must be false or the directory of a previous run (resume=runs/<date>/<time>_<model>)")
     for key, value in (("training.warmup_steps", t.warmup_steps), ("training.weight_decay", t.weight_decay),
