@@ -32,6 +32,7 @@ from pathlib import Path
 
 from launcher.shell import resolve, shell_word
 from launcher.config import LauncherConfig
+from launcher.errors import one_line
 from launcher import launch
 
 """Variables of the torchrun argv (launcher/launch.py torchrun_argv) that only the job knows."""
@@ -191,6 +192,18 @@ def submit(config: LauncherConfig, job, plan=None, spec=None):
     return executor.submit(FallbackTask(plan, config, spec, job, task_env(config, job.env)))
 
 
+def submission_error(err: BaseException) -> str | None:
+    """sbatch's own reason for refusing a job (its last `error:` or `fatal:` line, as submitit's
+    FailedJobError carries sbatch's output), or why sbatch could not run; None for any other error."""
+    from submitit.core.utils import FailedJobError
+
+    if not isinstance(err, (FailedJobError, OSError)):
+        return None
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    reason = next((line for line in reversed(lines) if "fatal" in line or "error" in line), lines[-1] if lines else "")
+    return one_line(reason or type(err).__name__)
+
+
 def sacct_state(job_id: str) -> str:
     """The job's accounting state (first word: 'CANCELLED by 0' -> 'CANCELLED'), '' if unknown."""
     try:
@@ -263,7 +276,16 @@ def interrupted(sjob) -> int:
 def run(config: LauncherConfig, job, quiet: bool = False, plan=None, spec=None) -> int:
     """Check the inputs here, submit, wait (bounded) and report; 0 when the job COMPLETED."""
     launch.check(job)
-    sjob = submit(config, job, plan, spec)
+    try:
+        sjob = submit(config, job, plan, spec)
+    except Exception as err:  # noqa: BLE001 - only a refused submission is reported here
+        why = submission_error(err)
+        if why is None:
+            raise
+        print(f"error: launch.kind=slurm: the job was not submitted: {why}; the plan and launch command stay in "
+              f"{job.run_dir} (check launch.partition and launch.account, or write the script with "
+              "launch.kind=sbatch_script)", file=sys.stderr)
+        return 1
     log = job.run_dir / "slurm" / f"{sjob.job_id}_0_log.out"
     info = sys.stderr if quiet else sys.stdout
     (job.run_dir / "slurm_job_id").write_text(f"{sjob.job_id}\n")

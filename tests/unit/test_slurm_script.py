@@ -92,3 +92,21 @@ def test_launch_max_restarts_still_works_with_the_group():
     config = cli.compose(["model=tiny-llama", "hardware=cpu", "launch.max_restarts=2"])
     assert config.launch.kind.name == "torchrun" and config.launch.max_restarts == 2
     assert "--max-restarts=2" in launch.torchrun_argv(config, Path("/r/run.json"))
+
+
+def test_a_job_sbatch_refuses_is_one_error_line_and_the_run_directory_stays(cli, tmp_path):
+    """sbatch refusing the job (here a stand-in `sbatch` first on PATH that answers as Slurm does
+    for an unknown partition) raised submitit's FailedJobError as a traceback."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "sbatch").write_text('#!/bin/sh\necho "sbatch: error: Batch job submission failed: '
+                                 'Invalid partition name specified" >&2\nexit 1\n')
+    (fake / "sbatch").chmod(0o755)
+    r = cli("model=tiny-llama", "gpus=2", "hardware=cpu", "training.seq_len=64", "training.max_steps=2",
+            "launch.kind=slurm", "launch.partition=nope", "mode=run",
+            env={"PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"})
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert len(errors) == 1 and "Invalid partition name specified" in errors[0] and "launch.partition" in errors[0]
+    (plan,) = (cli.cwd / "runs").glob("*/*/plan.json")
+    assert str(plan.parent) in errors[0]
