@@ -63,9 +63,12 @@ def run_problems(c: LauncherConfig) -> list[str]:
                        ("training.sgd_momentum", t.sgd_momentum),
                        ("training.max_grad_norm", t.max_grad_norm), ("checkpoint.every_steps", c.checkpoint.every_steps),
                        ("checkpoint.keep", c.checkpoint.keep), ("launch.max_restarts", c.launch.max_restarts),
-                       ("max_fallbacks", c.max_fallbacks)):
+                       ("max_fallbacks", c.max_fallbacks), ("measure.timing_steps", c.measure.timing_steps),
+                       ("measure.warmup_steps", c.measure.warmup_steps)):
         if not value >= 0 or (isinstance(value, float) and not math.isfinite(value)):
             out.append(f"{key}={value}: must be zero or more")
+    if c.measure.memory_steps < 1:
+        out.append(f"measure.memory_steps={c.measure.memory_steps}: must be at least 1 (the memory pass runs at least 2)")
     if not math.isfinite(t.learning_rate):
         out.append(f"training.learning_rate={t.learning_rate}: must be a finite number, e.g. 2e-4")
     if not 1 <= c.launch.master_port <= 65535:

@@ -28,6 +28,8 @@ BAD = [
     (["model=tiny-llama", "init.from=/x"], "init: takes one of [random, pretrained]", "init=random"),
     (["model=tiny-llama", "data.path=/etc"], "data.path=/etc: a directory but not a datasets.save_to_disk", ".jsonl"),
     (["model=tiny-llama", "data.path=/dev/null"], "data.path=/dev/null: unsupported file type", ".txt"),
+    (["model=tiny-llama", "mode=measure", "measure.timing_steps=-1"], "measure.timing_steps=-1", "zero or more"),
+    (["model=tiny-llama", "mode=measure", "measure.memory_steps=0"], "measure.memory_steps=0", "at least 1"),
     (["model=tiny-llama", "hydra.run.dir=/dev/null/run"], "hydra.run.dir=/dev/null/run", "is a file"),
 ]
 
