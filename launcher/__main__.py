@@ -3,6 +3,8 @@ creates a run directory (so bad input writes nothing), then hands the config to 
 from __future__ import annotations
 
 import sys
+import time
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
@@ -10,12 +12,38 @@ from omegaconf import DictConfig
 from launcher import cli
 from launcher.config import register_schema
 from launcher import app
+from launcher.errors import ConfigError
+
+
+STARTED = time.time()
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
     with cli.user_errors():
-        app.main(cfg)
+        try:
+            app.main(cfg)
+        except ConfigError:
+            _remove_empty_run_dir()
+            raise
+
+
+def _remove_empty_run_dir() -> None:
+    """A run stopped by bad input that only the planner finds (after Hydra made the run directory)
+    leaves nothing behind: the directory goes when it holds only the `.hydra` record this process
+    wrote."""
+    import shutil
+
+    from hydra.core.hydra_config import HydraConfig
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    record = run_dir / ".hydra"
+    if ([p.name for p in run_dir.iterdir()] == [".hydra"]
+            and all(f.stat().st_mtime >= STARTED for f in record.iterdir())):
+        shutil.rmtree(run_dir)
+        for parent in (run_dir.parent, run_dir.parent.parent):  # runs/<date>, runs: when now empty
+            if parent.is_relative_to(Path.cwd()) and parent != Path.cwd() and not any(parent.iterdir()):
+                parent.rmdir()
 
 
 def single_run(argv: list[str]) -> bool:
