@@ -46,11 +46,15 @@ def expand(template: Strategy, config, spec) -> list[Strategy]:
         for t in ([cai.tp_size] if cai.tp_size is not None else [1, *tps]):
             if config.gpus % (t * p) == 0:
                 out.append(replace(template, pp_size=p, tp_size=t, zero_stage=stage))
-    if not out and config.strategy.name == "cai_pp":
+    if not out and config.strategy.name == "cai_pp" and not pps:
         valid = [d for d in divisors(spec.num_layers) if d > 1]
         raise ConfigError(f"strategy=cai_pp: no pipeline size > 1 divides both gpus={config.gpus} and the "
                           f"{spec.num_layers} layers; pipeline sizes valid for this model: {valid}, so use "
                           "gpus=<a multiple of one of them>; or strategy=auto")
+    if not out and config.strategy.name == "cai_pp":
+        raise ConfigError(f"strategy=cai_pp: colossalai.tp_size={cai.tp_size} times any pipeline size in {pps} "
+                          f"does not divide gpus={config.gpus}; use a smaller colossalai.tp_size or more GPUs, "
+                          "or strategy=auto")
     return out
 
 
@@ -59,8 +63,8 @@ def no_tp_size(config, spec) -> str:
     that would allow one."""
     per_node = config.gpus // max(1, config.nodes)
     tried = "; ".join(f"tp={t}: {why}" for t, why in tp_degrees(config, spec).items()) or "none above 1"
-    valid = [t for t in range(2, 17) if not degree_problem(spec.model_type, spec.num_attention_heads,
-                                                            spec.num_key_value_heads, t)]
+    heads, kv = spec.num_attention_heads, spec.num_key_value_heads
+    valid = [t for t in range(2, 17) if not degree_problem(spec.model_type, heads, kv, t)]  # up to 16 GPUs a node
     return (f"no tensor-parallel size fits {per_node} GPU(s) per node ({tried}); "
             f"tp sizes valid for this model: {valid or 'none'}, so use gpus=<a multiple of one of them per node>")
 
