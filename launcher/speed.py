@@ -42,7 +42,8 @@ Assumptions (each is used in exactly one function below, whose docstring gives i
 7. Host time (launcher/host_time.py, when the planner passes the traced step's counts): on CPU
    processes op dispatch, activation traffic, the memory-bound optimizer, framework copies and
    gloo collectives (latency per call + bytes) add to the FLOP time, all exposed; on a GPU only
-   op dispatch counts, as max(FLOP time, ops x op_overhead_s) since launches are asynchronous.
+   op dispatch counts, as max(FLOP time, ops x op_overhead_s) since launches are asynchronous,
+   for every strategy (Gemini and pipeline stages included: they launch the same kernels).
 8. Framework overhead: what a strategy's step costs beyond all of the above (the engine's Python
    bookkeeping per step, per-parameter hooks, the worker's loop) is measured on the machine by
    training a small model at two depths (launcher/calibrate_frameworks.py) and stored in the
@@ -168,14 +169,17 @@ def framework_overhead_s(cluster: Cluster, strategy: Strategy, counts, accum: in
 
 def _with_host_terms(counts, x: CommInput, backend, compute_s: float, exposed_s: float):
     """(compute_s, exposed comm_s, host terms) with launcher/host_time.py's terms (estimate_speed),
-    as the backend's `host_equivalent` strategy has them; none for a backend without one."""
+    as the backend's `host_equivalent` strategy has them on CPU processes (none for a backend
+    without one); on a GPU the launch floor of every backend's step. A pipeline stage launches its
+    share (1 / pp_size) of the layers' ops for each of its micro-batches."""
+    workload, cluster = x.workload, x.cluster
+    if cluster.device != "cpu":
+        stage = max(1, x.strategy.pp_size)
+        ops = (counts.forward_ops + counts.backward_ops) * x.accum / stage + counts.optimizer_ops
+        return max(compute_s, ops * cluster.op_overhead_s), exposed_s, {}
     he = backend.host_equivalent(x) if backend.host_equivalent else None
     if he is None:
         return compute_s, exposed_s, {}
-    workload, cluster = x.workload, x.cluster
-    if cluster.device != "cpu":
-        ops = (counts.forward_ops + counts.backward_ops) * x.accum + counts.optimizer_ops
-        return max(compute_s, ops * cluster.op_overhead_s), exposed_s, {}
     torch_run = he.strategy.backend == "ddp"
     model_bytes = 4 if workload.precision == "32-true" or (torch_run and workload.precision.endswith("-mixed")) else 2
     master_bytes = model_bytes if torch_run else (2 if workload.precision == "bf16-true" else 4)
