@@ -55,6 +55,12 @@ def mode_problem(config: LauncherConfig) -> str:
         return (f"training.length_profile={config.training.length_profile}: plans a data pipeline that pads "
                 "each micro-batch to its longest example, but the worker trains packed training.seq_len "
                 "blocks; use mode=plan, or training.length_profile=null to train")
+    mode = resolved_mode(config)
+    if (mode in ("run", "measure") and config.launch.kind.name == "torchrun" and config.hardware.device == "cuda"
+            and not local_gpu_names()):
+        return (f"mode={mode}: hardware={config.hardware.name} plans CUDA GPUs but this machine has none (no GPU in "
+                "nvidia-smi -L); use mode=plan to plan only, hardware=cpu to train on CPU processes, or "
+                "launch.kind=slurm to run on a cluster's GPUs")
     return ""
 
 
