@@ -273,6 +273,14 @@ def _explain(err: BaseException) -> str | None:
 
             names = [m.name for m in getattr(schema, e.group(1), [])]
             return f"{key}: takes one of [{', '.join(names)}], not sub-keys; e.g. {key}={names[0] if names else '...'}"
+        v = (re.search(r"Value '\{.*\}' is not a valid (bool|int|float)", text)
+             or re.search(r"Value '\{.*\}' of type 'dict' could not be converted to (Integer|Float|Boolean|String)", text)
+             or re.search(r"Cannot convert 'dict' to (string)", text))
+        if key and v:  # `fallback.x=...`, `gpus.x=...` on a key that takes one value
+            kind = {"Integer": "int", "Float": "float", "Boolean": "bool", "String": "str", "string": "str"}.get(
+                v.group(1), v.group(1))
+            example = {"bool": "true", "int": "1", "float": "0.5", "str": "..."}[kind]
+            return f"{key}: takes one {kind} value, not sub-keys; e.g. {key}={example}"
         return f"{key}: {first}" if key else first
     return None
 
