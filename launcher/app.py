@@ -29,7 +29,8 @@ def model_spec(config: LauncherConfig):
     """The model's numbers, checked against the workload (sequence length within its positions)."""
     spec = load_spec(config.model, config.cache_dir)
     seq_max = spec.max_positions
-    if seq_max is not None and config.training.seq_len > seq_max:
+    serving = config.mode.name == "infer_plan"  # its lengths are inference.prompt_len and gen_len (infer_plan.py)
+    if seq_max is not None and config.training.seq_len > seq_max and not serving:
         raise ConfigError(f"training.seq_len={config.training.seq_len} is above {spec.name}'s maximum "
                           f"positions ({seq_max}); use training.seq_len<={seq_max}")
     if config.training.liger_kernel and not liger.supported(spec.model_type):

@@ -61,6 +61,21 @@ def test_table_and_one_line_errors(cli):
     assert "inference.tp_size=3" in bad.stderr
 
 
+def test_a_serving_plan_does_not_check_the_training_length():
+    """infer_plan's lengths are inference.prompt_len + gen_len (checked against the positions); the
+    default training.seq_len (1024) above a small model's 512 positions refused the serving plan
+    with a training key to change."""
+    from launcher.app import model_spec
+    from launcher.cli import compose
+    from launcher.errors import ConfigError
+
+    serve = compose(["model=tiny-llama", "hardware=cpu", "gpus=1", "mode=infer_plan", "inference.prompt_len=10",
+                     "inference.gen_len=10"])
+    assert model_spec(serve).max_positions == 512 < serve.training.seq_len
+    with pytest.raises(ConfigError, match="training.seq_len=1024"):  # a training plan of it still is refused
+        model_spec(compose(["model=tiny-llama", "hardware=cpu", "gpus=1", "mode=plan"]))
+
+
 def test_eager_attention_is_planned_when_asked():
     """inference.attn_implementation reaches the estimate: eager holds the largest forward's
     attention scores (a prompt's q x k per head), sdpa does not."""
