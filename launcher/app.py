@@ -70,7 +70,7 @@ def main(cfg: DictConfig) -> None:
 
     config = to_config(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    why = cache_dir_problem(config.cache_dir)  # a sweep's jobs were not checked before Hydra ran them
+    why = cache_dir_problem(config.cache_dir) or mode_problem(config)  # a sweep's jobs were not checked before
     if why:
         raise ConfigError(why)
     if isinstance(config.resume, str):  # resume=<run dir>: continue that run (launcher/fallback.py)

@@ -64,20 +64,20 @@ def test_a_cache_dir_that_cannot_be_a_directory_is_one_line_error(tmp_path, swee
     assert not list(tmp_path.glob("runs/*/*/plan.json"))
 
 
-@pytest.mark.parametrize("mode", ["run", "measure"])
-def test_a_gpu_run_on_a_machine_without_a_gpu_is_one_line_error(cli, mode):
+@pytest.mark.parametrize("mode,sweep", [("run", []), ("measure", []), ("run", ["-m"])], ids=["run", "measure", "sweep"])
+def test_a_gpu_run_on_a_machine_without_a_gpu_is_one_line_error(cli, mode, sweep):
     """torchrun started the ranks, each died in CUDA initialization, and torch elastic's failure
-    report ended the run; now nothing is launched or written."""
+    report ended the run; now nothing is launched (in a sweep, by its first job)."""
     from launcher.hardware import local_gpu_names
 
     if local_gpu_names():
         pytest.skip("this machine has a GPU")
-    r = cli("model=tiny-llama", "gpus=2", "hardware=a100-80g", "training.seq_len=64", "training.max_steps=2",
-            f"mode={mode}")
+    r = cli(*sweep, "model=tiny-llama,tiny-bloom" if sweep else "model=tiny-llama", "gpus=2", "hardware=a100-80g",
+            "training.seq_len=64", "training.max_steps=2", f"mode={mode}")
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert len(lines) == 1 and lines[0].startswith(f"error: mode={mode}: hardware=a100-80g") and "hardware=cpu" in lines[0]
-    assert not (cli.cwd / "runs").exists()
+    assert not list(cli.cwd.glob("**/run.json"))
 
 
 def test_config_json_that_is_not_a_decoder(cli, tmp_path):
