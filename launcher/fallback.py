@@ -23,6 +23,7 @@ one that counts) and writing summary-N.json instead of overwriting summary.json.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import re
 import shlex
@@ -231,7 +232,8 @@ def check_resume(config, old) -> None:
     before, after = _flat(old), _flat(config)
     for key in sorted(before):
         if before[key] != after.get(key) and not _resumable(key):
-            raise ConfigError(f"resume={target}: {key} was {before[key]!r} in that run, not {after.get(key)!r}; a resumed "
+            was, now = (v.name if isinstance(v, enum.Enum) else v for v in (before[key], after.get(key)))
+            raise ConfigError(f"resume={target}: {key} was {was!r} in that run, not {now!r}; a resumed "
                               f"run keeps its plan (only {', '.join(RESUMABLE)} may change): drop {key}=")
     spec_dir = latest_attempt(target)
     step, problem = latest_complete_checkpoint(spec_dir)

@@ -56,7 +56,7 @@ def test_resume_reuses_the_runs_overrides_and_writes_under_new_names(tmp_path):
 @pytest.mark.parametrize("extra,fragment", [
     (["training.seq_len=128"], "training.seq_len was 64 in that run"),
     (["training.max_steps=3"], "already training.max_steps=3"),
-    (["strategy=zero2"], "strategy was"),
+    (["strategy=zero2"], "strategy was 'ddp' in that run, not 'zero2'"),  # the values, not the enums' reprs
 ])
 def test_resume_refuses_a_changed_plan_or_a_finished_run(tmp_path, extra, fragment):
     run = fake_run(tmp_path / "run")
