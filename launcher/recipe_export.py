@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 from pathlib import Path
 
 from launcher.catalogue import CONF_DIR, group_options
@@ -106,6 +107,9 @@ def export(run_dir: Path, name: str | None = None, recipe_dir: Path = RECIPE_DIR
     values.setdefault("training", {})["micro_batch_size"] = spec["micro_batch_size"]
     cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
     name = name or f"{choices['model']}-{cfg.gpus}x{choices.get('hardware', 'gpu')}-{spec['strategy']}"
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):  # `recipe=NAME` looks it up in recipe_dir
+        raise ConfigError(f"recipe_name={name}: use letters, digits, '.', '_' and '-' only (no path); "
+                          "choose the directory with recipe_dir=")
     dest = recipe_dir / f"{name}.yaml"
     per_node = cfg.gpus // cfg.nodes
     body = {"defaults": [{f"override /{g}": c} for g, c in choices.items()], **values,
@@ -118,7 +122,11 @@ def export(run_dir: Path, name: str | None = None, recipe_dir: Path = RECIPE_DIR
         f"# Command: python -m launcher recipe={name} mode=run",
         f"# Exported from {run_dir} on {datetime.date.today().isoformat()} (python -m launcher recipe_from=...).",
         OmegaConf.to_yaml(body)])
-    recipe_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        recipe_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"recipe_dir={recipe_dir}: cannot be made a directory ({err.strerror}); "
+                          "give a writable directory") from None
     try:
         with open(dest, "x") as f:
             f.write(text)

@@ -195,6 +195,21 @@ def test_recipe_from_on_the_command_line(cli, tmp_path):
     assert r.returncode == 2 and "never overwritten" in r.stderr
 
 
+@pytest.mark.parametrize("name,out,fragment", [
+    ("../outside", "out", "recipe_name=../outside: use letters"),  # wrote tmp_path/outside.yaml, out of recipe_dir
+    ("mine", "file/sub", "recipe_dir="),  # under a file: NotADirectoryError as a traceback
+])
+def test_export_refuses_a_path_as_name_and_a_directory_it_cannot_make(tmp_path, name, out, fragment):
+    from launcher import recipe_export
+
+    run = _fake_run(tmp_path)
+    (tmp_path / "file").write_text("")
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(ConfigError, match=fragment):
+        recipe_export.export(run, name, tmp_path / out)
+    assert sorted(tmp_path.rglob("*")) == before  # nothing written
+
+
 def test_searchpaths_are_merged():
     argv = recipes.merge_searchpaths(["a=1", "hydra.searchpath=[file:///x]", "hydra.searchpath=[file:///y]"])
     assert argv == ["a=1", "hydra.searchpath=[file:///x,file:///y]"]
