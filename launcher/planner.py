@@ -104,6 +104,9 @@ def unsupported(strategy: Strategy, config: LauncherConfig, cluster: Cluster, sp
     its backend's capability table (launcher/backends/<name>/rules.py, the one the worker checks)."""
     if strategy.tp_size > 1 and spec is not None and not trace.tp_traceable(spec.model_type):
         return f"no tensor-parallel sharding rule for model type {spec.model_type} yet (launcher/tp_shard.py)"
+    if strategy.tp_size > 1 and config.training.liger_kernel:
+        return ("training.liger_kernel: Liger's fused linear cross-entropy needs the whole LM head on each rank, "
+                "and tensor-parallel ranks hold a slice of it; use training.liger_kernel=false for tensor parallelism")
     return backend_of(strategy).refusal(strategy, ask(config, cluster, env or detect(), peft))
 
 
