@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from launcher import lengths, margin
 from launcher.backends.base import in_backward_problem
 from launcher.config import LauncherConfig
+from launcher.data_path import data_path_problem
 from launcher.errors import ConfigError, collect
 from launcher.slurm import launch_problems
 
@@ -29,26 +30,6 @@ def set_true_on_command_line(key: str, argv: list[str]) -> bool:
     OmegaConf reads as true (its BooleanNode accepts true/yes/on/y/1, any case)."""
     values = [a.partition("=")[2] for a in argv if a.partition("=")[0].lstrip("+~") == key]
     return bool(values) and values[-1].strip().strip("'\"").lower() in ("true", "yes", "on", "y", "1")
-
-
-def data_path_problem(data_path: str) -> str:
-    """Why the worker cannot read `data.path` as a dataset (launcher/worker/data.py
-    `read_documents`), or '': it must be a .txt or .jsonl file, or a directory that
-    `datasets.save_to_disk` wrote (datasets load_from_disk reads its state.json, or a
-    DatasetDict's dataset_dict.json)."""
-    fix = "give a .txt, .jsonl, a datasets.save_to_disk directory, or data.path=demo"
-    path = Path(data_path).expanduser()
-    if data_path == "demo":
-        return ""
-    if not path.exists():
-        return f"data.path={data_path}: no such file or directory; {fix}"
-    if path.is_dir():
-        if not ((path / "state.json").exists() or (path / "dataset_dict.json").exists()):
-            return f"data.path={data_path}: a directory but not a datasets.save_to_disk dataset; {fix}"
-        return ""
-    if path.suffix not in (".txt", ".jsonl"):
-        return f"data.path={data_path}: unsupported file type {path.suffix!r}; {fix}"
-    return ""
 
 
 def run_problems(c: LauncherConfig) -> list[str]:

@@ -18,6 +18,7 @@ from typing import Iterator
 import numpy as np
 
 from launcher.errors import ConfigError
+from launcher.data_path import data_path_problem
 
 DEMO_DATASET = "demo"
 DEMO_FILE = "demo.txt"
@@ -83,17 +84,18 @@ def _saved_dataset_documents(path: Path, text_key: str) -> Iterator[str]:
 
 
 def read_documents(data_path: str, text_key: str) -> list[str]:
-    """Non-blank documents of a .txt / .jsonl file or a saved HF dataset directory."""
+    """Non-blank documents of a .txt / .jsonl file or a saved HF dataset directory (the kinds
+    launcher/data_path.py accepts, checked again here for a run.json written by hand)."""
     path = resolve_data_path(data_path)
+    problem = data_path_problem(str(path))
+    if problem:
+        raise ConfigError(problem)
     if path.is_dir():
         docs = _saved_dataset_documents(path, text_key)
     elif path.suffix == ".jsonl":
         docs = _jsonl_documents(path, text_key)
-    elif path.suffix == ".txt":
-        docs = _txt_documents(path)
     else:
-        raise ConfigError(f"dataset {data_path}: unsupported file type {path.suffix!r}; "
-                          f"use .txt, .jsonl or a datasets.save_to_disk directory")
+        docs = _txt_documents(path)
     documents = [d for d in docs if d.strip()]
     if not documents:
         raise ConfigError(f"dataset {data_path} contains no usable text"
