@@ -67,12 +67,14 @@ def mode_problem(config: LauncherConfig) -> str:
 
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     config = to_config(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    why = cache_dir_problem(config.cache_dir) or mode_problem(config)  # a sweep's jobs were not checked before
-    if why:
-        raise ConfigError(why)
+    if HydraConfig.get().mode == RunMode.MULTIRUN:  # a single run was checked before Hydra ran it (cli.check)
+        why = cache_dir_problem(config.cache_dir) or mode_problem(config)
+        if why:
+            raise ConfigError(why)
     if isinstance(config.resume, str):  # resume=<run dir>: continue that run (launcher/fallback.py)
 
         rc = fallback.resume_run(config, quiet=config.report.name == "json")
