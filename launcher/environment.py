@@ -25,12 +25,18 @@ def cache_dir_problem(cache_dir: Optional[str]) -> str:
     directory when it can (every cache writes into it)."""
     path = Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE_DIR
     key = f"cache_dir={cache_dir}" if cache_dir else f"cache_dir (default {path})"
+    return writable_dir_problem(path, key, "e.g. cache_dir=/tmp/launcher-cache")
+
+
+def writable_dir_problem(path: Path, key: str, example: str) -> str:
+    """Why `path` cannot be made a writable directory (making it when it can), or '': the one-line
+    answer for the key `key` that names it."""
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        return f"{key}: cannot be made a directory ({err.strerror}); give a writable directory, e.g. cache_dir=/tmp/launcher-cache"
+        return f"{key}: cannot be made a directory ({err.strerror}); give a writable directory, {example}"
     if not os.access(path, os.W_OK | os.X_OK):
-        return f"{key}: not writable; give a writable directory, e.g. cache_dir=/tmp/launcher-cache"
+        return f"{key}: not writable; give a writable directory, {example}"
     return ""
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from launcher.catalogue import CONF_DIR, group_options
 from launcher.config import register_schema
+from launcher.environment import writable_dir_problem
 from launcher.errors import ConfigError
 from launcher.recipes import COMMAND_KEYS, HEADER, RECIPE_DIR, estimate_entry, gib, installed_versions, load_recipe
 from launcher.fallback import latest_attempt
@@ -122,11 +123,9 @@ def export(run_dir: Path, name: str | None = None, recipe_dir: Path = RECIPE_DIR
         f"# Command: python -m launcher recipe={name} mode=run",
         f"# Exported from {run_dir} on {datetime.date.today().isoformat()} (python -m launcher recipe_from=...).",
         OmegaConf.to_yaml(body)])
-    try:
-        recipe_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ConfigError(f"recipe_dir={recipe_dir}: cannot be made a directory ({err.strerror}); "
-                          "give a writable directory") from None
+    why = writable_dir_problem(recipe_dir, f"recipe_dir={recipe_dir}", "e.g. recipe_dir=my-recipes")
+    if why:
+        raise ConfigError(why)
     try:
         with open(dest, "x") as f:
             f.write(text)
