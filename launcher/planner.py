@@ -202,8 +202,9 @@ def trace_key(spec: ModelSpec, strategy: Strategy, wl: Workload, lora=None):
 
 
 def model_numbers(traces) -> dict:
-    """Parameter counts of the full-depth model, extrapolated from the traced shallow models
-    (tied weights counted once)."""
+    """Parameter counts of the traced model at full depth, extrapolated from the traced shallow
+    models (tied weights counted once): one tensor-parallel rank's shard for a tensor-parallel
+    trace (what the speed model reads), the whole model otherwise (`whole_model_numbers`)."""
     def count(t, trainable_only=False):
         rows = t.params.tied_to < 0
         if trainable_only:
@@ -211,6 +212,17 @@ def model_numbers(traces) -> dict:
         return int(t.params.numel[rows].sum())
     return {"num_params": round(traces.at_depth(count)),
             "num_trainable_params": round(traces.at_depth(lambda t: count(t, True)))}
+
+
+def whole_model_numbers(config: LauncherConfig, spec: ModelSpec, strategy: Strategy, wl: Workload,
+                        lora=None) -> dict:
+    """`model_numbers` of the whole model this candidate trains, whatever its tensor-parallel
+    degree: a tensor-parallel trace holds one rank's shard (launcher/tp_shard.py), so the counts
+    come from the same step traced unsharded (pipeline traces hold every layer)."""
+    key = trace_key(spec, strategy, wl, lora)
+    if key.tp_size > 1:
+        key = replace(key, tp_size=1)
+    return model_numbers(trace.trace_set(key, spec.num_layers, cache_dir=config.cache_dir))
 
 
 def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy: Strategy,
@@ -231,6 +243,7 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
     traces = traced(config, spec, strategy, wl, lora)
     replay_memo = replay_memo if replay_memo is not None else ReplayMemo.shared(config.cache_dir)
     numbers = model_numbers(traces)
+    whole = numbers if strategy.tp_size == 1 else whole_model_numbers(config, spec, strategy, wl, lora)
     knobs = registry.knobs(config)
     varlen = varlen_run(config, spec, cluster, strategy, wl, lora)
     mem = memory_model.estimate(traces, strategy, wl, cluster, knobs, dp, attention_workspace(spec, strategy, wl),
@@ -263,7 +276,7 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
     return Candidate(strategy, micro, accum, mem, spd, fits_device and fits_host, reason, trains=variant.trains,
                      peft=lora.to_dict() if lora else None,
                      gradient_checkpointing=variant.gradient_checkpointing,
-                     num_trainable_params=numbers["num_trainable_params"]), numbers
+                     num_trainable_params=whole["num_trainable_params"]), whole
 
 
 def varlen_run(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy: Strategy, wl: Workload,

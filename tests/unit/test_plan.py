@@ -91,3 +91,16 @@ def test_cli_json_plan_counts_the_published_parameters(cli, model, published):
     d = json.loads(r.stdout)
     assert d["model"]["num_params"] == published
     assert (cli.cwd / "runs").exists() and len(list((cli.cwd / "runs").glob("*/*/plan.json"))) == 1
+
+
+@pytest.mark.parametrize("model,published,strategy", [("bloom-1b1", 1_065_314_304, "cai_tp"),
+                                                      ("llama-2-7b", 6_738_415_616, "fsdp2_tp")])
+def test_tensor_parallel_plan_counts_the_whole_model(cli, model, published, strategy):
+    """A tensor-parallel trace holds one rank's shard; the plan still names the whole model's
+    parameters, and its candidate trains all of them (full fine-tuning)."""
+    r = cli(f"model={model}", "gpus=2", "report=json", f"strategy={strategy}", "training.micro_batch_size=1")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["model"]["num_params"] == published
+    chosen = d["candidates"][d["chosen"]]
+    assert chosen["layout"]["tp_size"] == 2 and chosen["num_trainable_params"] == published
