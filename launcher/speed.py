@@ -184,8 +184,8 @@ def _with_host_terms(counts, x: CommInput, backend, compute_s: float, exposed_s:
     model_bytes = 4 if workload.precision == "32-true" or (torch_run and workload.precision.endswith("-mixed")) else 2
     master_bytes = model_bytes if torch_run else (2 if workload.precision == "bf16-true" else 4)
     grad_bytes = model_bytes if torch_run else (4 if workload.precision == "32-true" else 2)
-    host = host_time_s(counts, he.strategy, workload, cluster, trainable=x.trainable // he.shard,
-                       num_params=x.num_params // he.shard, dp=x.dp, accum=x.accum, model_bytes=model_bytes,
+    host = host_time_s(counts, he.strategy, workload, cluster, trainable=x.trainable,
+                       num_params=x.num_params, dp=x.dp, accum=x.accum, model_bytes=model_bytes,
                        master_bytes=master_bytes, grad_bytes=grad_bytes, ds=he.ds, ddp=x.knobs["ddp"])
     host["comm_s"] += he.extra_comm_s
     return compute_s, host["comm_s"], host

@@ -231,12 +231,12 @@ class CommInput:
 @dataclass(frozen=True)
 class HostEquivalent:
     """The torch DDP or DeepSpeed strategy whose CPU host terms a strategy shares
-    (launcher/host_time.py), with the bucket sizes it uses (`ds`: reduce/allgather_bucket_size),
-    the share of the parameters a rank holds (1/`shard`) and communication it adds on top."""
+    (launcher/host_time.py) on the traced parameters (one tensor-parallel shard's under tensor
+    parallelism), with the bucket sizes it uses (`ds`: reduce/allgather_bucket_size) and
+    communication it adds on top."""
 
     strategy: Strategy
     ds: Any = None
-    shard: int = 1
     extra_comm_s: float = 0.0
 
 

@@ -179,3 +179,13 @@ def test_zero3_reduce_scatter_hides_only_with_overlap_comm():
     serial = run(ZERO[3], clu, ds=DeepSpeedConfig(overlap_comm=False))
     assert default.breakdown["comm_s"] == pytest.approx(serial.breakdown["comm_s"])
     assert default.comm_s < serial.comm_s
+
+
+def test_tensor_parallel_data_parallel_gradients_are_the_shards():
+    """The planner gives a tensor-parallel candidate the parameter counts of its traced shard
+    (launcher/tp_shard.py): with tp=2 each rank's data-parallel all-reduce moves half the
+    gradients of the unsharded model, not a quarter."""
+    clu, n = cluster(num_gpus=4), 250_000_000
+    unsharded = run(Strategy("cai_tp", "colossalai", tp_size=1), clu, num_params=n, dp=2).breakdown["comm_s"]
+    shard = run(Strategy("cai_tp", "colossalai", tp_size=2), clu, num_params=n // 2, dp=2).breakdown["comm_s"]
+    assert unsharded > 0 and shard == pytest.approx(unsharded / 2)

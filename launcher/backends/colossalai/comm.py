@@ -37,20 +37,21 @@ def comm(x: CommInput) -> tuple:
     - cai_gemini: chunk all-gathers in forward and backward and a gradient reduce-scatter per
       micro-batch, as ZeRO-3 (launcher/collectives.py `fully_sharded_comm_s`); chunks are gathered whole, so the volume is the
       model's.
-    - tensor parallelism (tp > 1): the traced FLOPs are already one shard's; `tp_comm_s` adds the
-      per-layer activation all-reduces. DP gradients are 1/tp.
+    - tensor parallelism (tp > 1): the traced FLOPs and parameter counts are already one
+      shard's (launcher/tp_shard.py), so DP gradients and parameters are the counts as given
+      (1/tp of the model's); `tp_comm_s` adds the per-layer activation all-reduces.
     - pipeline parallelism (p > 1): the micro-batches of one optimizer step (grad_accum, a
       multiple of num_microbatches m) are the pipeline's micro-batches; the traced FLOPs cover all
-      layers, a stage runs 1/p of them, and each 1F1B flush of m micro-batches idles
+      layers, a stage runs 1/p of them and holds 1/p of the parameters, and each 1F1B flush of m micro-batches idles
       (p-1)/(m+p-1) of its time (the bubble; GPipe arXiv:1811.06965, 1F1B arXiv:2104.04473
       sec. 2.2): compute_s / p / (1 - bubble). Stage-to-stage activation sends are not modelled
       (b x s x hidden per micro-batch, small next to the all-reduces)."""
     strategy, workload, cluster, cai = x.strategy, x.workload, x.cluster, x.knobs["colossalai"]
     dp, accum, backward_s, compute_s = x.dp, x.accum, x.backward_s, x.compute_s
-    tp, pp = strategy.tp_size, strategy.pp_size
+    pp = strategy.pp_size
     elem = 4 if workload.precision == "32-true" or strategy.name == "cai_ddp" else 2
     bus = bus_bandwidth_gbps(cluster)
-    grads, params = x.trainable * elem / (tp * pp), x.num_params * elem / (tp * pp)
+    grads, params = x.trainable * elem / pp, x.num_params * elem / pp  # the counts are a tp shard's
     if strategy.name == "cai_ddp":
         comm, exposed = ddp_reduction_s(x, grads)
     elif strategy.name == "cai_gemini":
@@ -73,11 +74,11 @@ def comm(x: CommInput) -> tuple:
 
 def host_equivalent(x: CommInput):
     """Gemini and pipelines do not run on CPU processes: no host-time model (None). The others
-    share the host terms of `colossalai_host_equivalent`, on 1/(tp x pp) of the parameters, plus
-    the tensor-parallel all-reduces."""
+    share the host terms of `colossalai_host_equivalent`, on the traced parameters (a tp shard's
+    under tensor parallelism), plus the tensor-parallel all-reduces."""
     strategy, workload = x.strategy, x.workload
     if strategy.name == "cai_gemini" or strategy.pp_size > 1:
         return None
     host_strategy, ds = colossalai_host_equivalent(strategy, x.knobs["colossalai"])
     tp_s = tp_comm_s(strategy, workload, x.cluster, x.spec, x.accum, 4 if workload.precision == "32-true" else 2)
-    return HostEquivalent(host_strategy, ds, shard=strategy.tp_size * strategy.pp_size, extra_comm_s=tp_s)
+    return HostEquivalent(host_strategy, ds, extra_comm_s=tp_s)
