@@ -10,12 +10,13 @@ ZeRO-3) whose step holds only a shard of the weights, adapters on a large frozen
 sequences (opt-125m LoRA under fsdp2 at 8 tokens on 2 processes: 312.5 MiB at setup, against a
 step of 301.7).
 
-On GPUs the build is on the host: the worker moves the built model to the device whole (every
-backend but FSDP2, whose `fully_shard` moves one block at a time: launcher/backends/fsdp2/worker.py
-`MOVES_MODEL`), which is below the step's peak for a strategy that keeps the whole model, and is
-not modelled for those that shard it after that move: ZeRO-3 (DeepSpeed's engine also moves the
-whole module before partitioning it, deepspeed/runtime/engine.py `_configure_distributed_model`),
-ColossalAI's Gemini and its tensor- and pipeline-parallel plugins.
+On GPUs the build is on the host. A strategy that shards the model takes it from there, a part
+at a time (the worker classes' `MOVES_MODEL`): FSDP2's `fully_shard` one block
+(launcher/backends/fsdp2/worker.py), ZeRO-3 one parameter (launcher/backends/deepspeed/worker.py
+`_partition_on_host`), Gemini one chunk and the tensor- and pipeline-parallel plugin the rank's
+shard (launcher/backends/colossalai/worker.py `plugin_moves_model`), so the whole model is never
+on the device. The others keep the whole model on each GPU and the worker moves it there first:
+below the step's peak, which holds it too.
 
 Not modelled: quantized bases (bitsandbytes' and GPTQ's construction differs from the trace's
 stand-ins), tensor- and pipeline-parallel strategies (their traces build one shard or stage,

@@ -63,6 +63,8 @@ def make_backend(model, spec, env, plan, meter):
 
 def moves_model(spec) -> bool:
     """True when the backend's worker takes the model as built on the host and moves it to the
-    device itself, a part at a time (its class's `MOVES_MODEL`), so the whole model is never on
-    the device at once; else the worker moves the whole model before the backend wraps it."""
-    return bool(getattr(registry.load(registry.get(spec.backend).worker), "MOVES_MODEL", False))
+    device itself, a part at a time (its class's `MOVES_MODEL`: a bool, or a function of the run
+    spec), so the whole model is never on the device at once; else the worker moves the whole
+    model before the backend wraps it."""
+    moves = getattr(registry.load(registry.get(spec.backend).worker), "MOVES_MODEL", False)
+    return bool(moves(spec) if callable(moves) else moves)

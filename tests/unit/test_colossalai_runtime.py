@@ -56,3 +56,20 @@ def test_shardformer_attention(model_type, expected):
     assert backend.attention_of(PP, model_type, "sdpa") == expected
     assert backend.attention_of(ZERO, model_type, "sdpa") == "sdpa"  # the model's own forwards
     assert registry.get("ddp").attention_of(registry.strategy("ddp"), model_type, "sdpa") == "sdpa"
+
+
+@pytest.mark.parametrize("name,moves", [("cai_gemini", True), ("cai_tp", True), ("cai_pp", True),
+                                        ("cai_ddp", False), ("cai_zero1", False), ("cai_zero2", False)])
+def test_the_worker_leaves_the_model_on_the_host_for_plugins_that_shard_it(name, moves):
+    """Gemini and the hybrid plugin move the rank's part of a host-built model themselves; the
+    worker moves the whole model first only for the plugins that keep it whole on each GPU, and
+    for a QLoRA base, which is quantized on the device as it is built."""
+    from types import SimpleNamespace
+
+    from launcher.backends.colossalai.emit import PLUGIN_OF
+    from launcher.worker.backends import moves_model
+
+    spec = SimpleNamespace(backend="colossalai", framework_config={"plugin": PLUGIN_OF[name], "kwargs": {}}, peft=None)
+    assert moves_model(spec) is moves
+    qlora = SimpleNamespace(**{**vars(spec), "peft": {"r": 8, "quant_type": "nf4"}})
+    assert moves_model(qlora) is False

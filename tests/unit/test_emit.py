@@ -206,3 +206,54 @@ def test_deepspeed_engine_trains_with_config(name, tmp_path):
     out = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, json.dumps(cfg)], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)
     assert "TRAINED" in out.stdout, out.stderr[-3000:]
+
+
+BACKEND_SCRIPT = r"""
+import json, sys
+from types import SimpleNamespace
+import torch, deepspeed, transformers
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+deepspeed.init_distributed(dist_backend="gloo")
+from launcher.backends.deepspeed.worker import DeepSpeedBackend
+from launcher.worker.backends import moves_model
+
+cfg = json.loads(sys.argv[1])
+config = transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, vocab_size=320, use_cache=False)
+model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+moved, to = [], torch.nn.Module.to
+def spy(self, *args, **kwargs):  # a move of the whole model, by anyone
+    if self is model:
+        moved.append(args)
+    return to(self, *args, **kwargs)
+torch.nn.Module.to = spy
+spec = SimpleNamespace(framework_config=cfg, micro_batch_size=2, grad_accum_steps=1, precision="bf16-mixed",
+                       max_grad_norm=1.0, optimizer="adamw_torch", learning_rate=1e-3, weight_decay=0.0,
+                       sgd_momentum=0.0, warmup_steps=0, peft=None, strategy="zero3", device="cpu")
+backend = DeepSpeedBackend(model, spec, SimpleNamespace(world_size=1, local_rank=0, device="cpu"), None,
+                           SimpleNamespace(phase=lambda name: __import__("contextlib").nullcontext()))
+params = list(backend.engine.module.parameters())
+loss = backend.micro_step(torch.randint(0, 320, (2, 16)), last=True)
+backend.optimizer_step()
+print("RESULT", json.dumps({"moves_model": moves_model(SimpleNamespace(backend="deepspeed", **vars(spec))),
+                            "moved": len(moved), "partitioned": all(hasattr(p, "ds_id") for p in params),
+                            "loss": float(loss)}))
+"""
+
+
+@pytest.mark.integration
+def test_zero3_partitions_the_host_built_model_without_moving_it_whole(tmp_path):
+    """ZeRO-3 takes the model as built on the host and partitions it a parameter at a time: the
+    worker does not move it to the device and DeepSpeed's engine, which moves a module not built
+    under zero.Init whole (engine.py `_configure_distributed_model`), finds it partitioned."""
+    cfg, _, _ = ds_case("ds_zero3_bf16", dp=1)
+    cfg.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1, train_batch_size=2)
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT="29711", DS_BUILD_OPS="0")
+    out = subprocess.run([sys.executable, "-c", BACKEND_SCRIPT, json.dumps(cfg)], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line is not None, out.stderr[-3000:]
+    result = json.loads(line[len("RESULT "):])
+    assert result["moves_model"] and result["partitioned"] and result["moved"] == 0
+    assert 0 < result["loss"] < 100

@@ -34,6 +34,7 @@ from launcher.backends.colossalai import cpu
 from launcher.backends.colossalai.rules import ADAMW
 from launcher.errors import ConfigError
 from launcher.worker import layout
+from launcher.worker.model import lora_settings
 from launcher.worker.optim import make_optimizer, make_scheduler
 
 PLUGINS = ("TorchDDPPlugin", "LowLevelZeroPlugin", "GeminiPlugin", "HybridParallelPlugin")
@@ -97,7 +98,24 @@ def gemini_optimizer(name: str, params, learning_rate: float, weight_decay: floa
                       adamw_mode=True)
 
 
+def plugin_moves_model(spec) -> bool:
+    """GeminiPlugin and HybridParallelPlugin take the model as built on the host. Gemini copies
+    each parameter into its chunks on the device and moves the buffers itself
+    (colossalai/zero/gemini/gemini_ddp.py `_init_chunks`, `_cast_buffers`); the hybrid plugin
+    shards the model, and drops the layers of other pipeline stages, before it moves what is left
+    (booster/plugin/hybrid_parallel_plugin.py HybridParallelModule: `shardformer.optimize`, then
+    `module.to(device)`). Moved whole first, a model larger than one GPU would not survive the
+    setup of a plan that holds a shard of it. TorchDDPPlugin and LowLevelZeroPlugin keep the whole
+    model on each GPU, and a QLoRA base is quantized on the device as it is built
+    (launcher/peft.py `quantize_base_4bit`): the worker moves those whole."""
+    lora = lora_settings(spec)
+    return (spec.framework_config.get("plugin") in ("GeminiPlugin", "HybridParallelPlugin")
+            and not (lora is not None and lora.quant_type))
+
+
 class ColossalAIBackend:
+    MOVES_MODEL = staticmethod(plugin_moves_model)  # launcher/worker/backends.py `moves_model`
+
     def __init__(self, model, spec, env, plan, meter) -> None:
         import torch
         from colossalai.booster import Booster

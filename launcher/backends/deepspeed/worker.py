@@ -11,6 +11,7 @@ from launcher.worker.optim import make_optimizer, make_scheduler
 from launcher.types import Strategy
 from launcher.backends.deepspeed.emit import expected_half_sections, unsupported_reason
 from launcher.worker import layout
+from launcher.worker.model import lora_settings
 
 
 
@@ -70,13 +71,47 @@ def _true_dtype_model(model, spec, config: dict):
     return model
 
 
+def partitions_on_host(spec) -> bool:
+    """ZeRO-3 of a model that is not quantized: the worker hands DeepSpeed the model as built on
+    the host and partitions it from there (`_partition_on_host`). A QLoRA base is quantized on the
+    device as it is built (launcher/peft.py `quantize_base_4bit`), so it arrives there whole."""
+    stage = int(spec.framework_config.get("zero_optimization", {}).get("stage", 0))
+    lora = lora_settings(spec)
+    return stage == 3 and not (lora is not None and lora.quant_type)
+
+
+def _partition_on_host(model, config: dict, device):
+    """ZeRO-3's partitioning of the host-built model, one parameter at a time: `zero.Init(module=)`
+    moves each parameter to the device, broadcasts it from rank 0 and keeps this rank's partition
+    (deepspeed/runtime/zero/partition_parameters.py `_convert_to_zero_parameters`; DeepSpeed's
+    documented way to "partition an already-allocated model in CPU memory"). The engine makes the
+    same call itself (parameter_offload.py `_convert_to_zero_parameters`), but only after moving the
+    whole module to the device (engine.py `_configure_distributed_model`), which a model larger
+    than one GPU does not survive. Partitioned first, the module counts as built under zero.Init:
+    the engine moves nothing, so the buffers are moved here."""
+    import deepspeed
+
+    deepspeed.zero.Init(module=model, config_dict_or_path=config)
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[name] = buf.to(device)
+    return model
+
+
 class DeepSpeedBackend:
+    MOVES_MODEL = staticmethod(partitions_on_host)  # launcher/worker/backends.py `moves_model`
+
     def __init__(self, model, spec, env, plan, meter) -> None:
         import deepspeed
+        import torch
 
         deepspeed.utils.logger.setLevel(logging.WARNING)
         config = deepspeed_config(spec, env.world_size)
         model = _true_dtype_model(model, spec, config)
+        if partitions_on_host(spec):
+            device = torch.device("cuda", env.local_rank) if env.device == "cuda" else torch.device("cpu")
+            model = _partition_on_host(model, config, device)
         optimizer = make_optimizer(spec.optimizer, model.parameters(), spec.learning_rate, spec.weight_decay,
                                    spec.sgd_momentum)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
