@@ -18,6 +18,7 @@ from launcher.backends.registry import backend_of
 from launcher.candidate_memo import CandidateMemo
 from launcher.config import LauncherConfig
 from launcher.environment import Env, detect
+from launcher.precision import model_dtype
 from launcher.errors import ConfigError
 from launcher.lengths import VarlenRun
 from launcher.margin import confidence_note
@@ -214,15 +215,32 @@ def model_numbers(traces) -> dict:
             "num_trainable_params": round(traces.at_depth(lambda t: count(t, True)))}
 
 
-def whole_model_numbers(config: LauncherConfig, spec: ModelSpec, strategy: Strategy, wl: Workload,
-                        lora=None) -> dict:
-    """`model_numbers` of the whole model this candidate trains, whatever its tensor-parallel
-    degree: a tensor-parallel trace holds one rank's shard (launcher/tp_shard.py), so the counts
-    come from the same step traced unsharded (pipeline traces hold every layer)."""
+def whole_model_traces(config: LauncherConfig, spec: ModelSpec, strategy: Strategy, wl: Workload, lora=None,
+                       traces=None):
+    """The traced step of the whole model this candidate trains, whatever its tensor-parallel
+    degree (`traces`: the candidate's own, used when it is not tensor-parallel): a
+    tensor-parallel trace holds one rank's shard (launcher/tp_shard.py), so the whole model is the
+    same step traced unsharded (pipeline traces hold every layer)."""
     key = trace_key(spec, strategy, wl, lora)
-    if key.tp_size > 1:
-        key = replace(key, tp_size=1)
-    return model_numbers(trace.trace_set(key, spec.num_layers, cache_dir=config.cache_dir))
+    if key.tp_size == 1 and traces is not None:
+        return traces
+    return trace.trace_set(replace(key, tp_size=1), spec.num_layers, cache_dir=config.cache_dir)
+
+
+def host_build_need(traces, strategy: Strategy, wl: Workload, traced_dtype: str, quantized: bool) -> int:
+    """Host RAM one rank needs to build the model (0 where not modelled: quantized bases): the
+    worker builds the whole model on the host in every process before its backend moves or
+    shards it (launcher/memory/host_build.py `build_peak_bytes` of the whole model's trace, in
+    the dtype the worker builds it in)."""
+    if quantized:
+        return 0
+    return host_build.build_peak_bytes(traces, traced_dtype, model_dtype(wl.precision, strategy.backend))
+
+
+HOST_BUILD_NOTE = ("host RAM: each of a node's {ranks} ranks builds the whole model on the host ({dtype}, "
+                   "{each} with its construction temporaries, traced) before its backend moves or shards it: "
+                   "{node} per node at setup, checked with any offloaded states against the {host} of "
+                   "hardware.host_memory_bytes.")
 
 
 def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy: Strategy,
@@ -243,7 +261,8 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
     traces = traced(config, spec, strategy, wl, lora)
     replay_memo = replay_memo if replay_memo is not None else ReplayMemo.shared(config.cache_dir)
     numbers = model_numbers(traces)
-    whole = numbers if strategy.tp_size == 1 else whole_model_numbers(config, spec, strategy, wl, lora)
+    whole_traces = whole_model_traces(config, spec, strategy, wl, lora, traces)
+    whole = model_numbers(whole_traces)
     knobs = registry.knobs(config)
     varlen = varlen_run(config, spec, cluster, strategy, wl, lora)
     mem = memory_model.estimate(traces, strategy, wl, cluster, knobs, dp, attention_workspace(spec, strategy, wl),
@@ -264,13 +283,20 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
                                dp_size=dp, knobs=knobs, spec=spec, counts=step_counts(traces, config))
     usable = int(cluster.memory_bytes * (1 - config.planner.safety_margin))
     fits_device = mem.oom_bytes <= usable
-    host_need = mem.host_bytes * cluster.gpus_per_node
+    quantized = lora is not None and lora.quant_type is not None
+    build = host_build_need(whole_traces, strategy, wl, key.param_dtype, quantized) if cluster.device == "cuda" else 0
+    host_need = max(mem.host_bytes, build) * cluster.gpus_per_node
     fits_host = host_need <= cluster.host_memory_bytes
+    if build:
+        mem = replace(mem, notes=tuple(mem.notes) + (HOST_BUILD_NOTE.format(
+            dtype=model_dtype(wl.precision, strategy.backend), each=gib(build), ranks=cluster.gpus_per_node,
+            node=gib(build * cluster.gpus_per_node), host=gib(cluster.host_memory_bytes)),))
     if not fits_device:
         reason = (f"OOM: {gib(mem.oom_bytes)} > {gib(usable)} usable "
                   f"({config.planner.safety_margin:.1%} margin); largest term: {largest_term(mem.breakdown)}")
     elif not fits_host:
-        reason = f"host RAM: offload needs {gib(host_need)} per node > {gib(cluster.host_memory_bytes)}"
+        why = "building the whole model on each rank" if build > mem.host_bytes else "offload"
+        reason = f"host RAM: {why} needs {gib(host_need)} per node > {gib(cluster.host_memory_bytes)}"
     else:
         reason = "fits"
     return Candidate(strategy, micro, accum, mem, spd, fits_device and fits_host, reason, trains=variant.trains,

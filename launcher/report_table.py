@@ -50,8 +50,9 @@ def short_verdict(c: Candidate, chosen: bool) -> str:
     if m := re.match(r"OOM: ([\d.]+) (\w+) > ([\d.]+) (\w+) usable", r):
         need = m.group(1) if m.group(2) == m.group(4) else f"{m.group(1)} {m.group(2)}"
         return f"OOM: {need} > {m.group(3)} {m.group(4)}"
-    if r.startswith("host RAM"):
-        return "offload exceeds host RAM"
+    if m := re.match(r"host RAM: .* needs ([\d.]+) (\w+) per node > ([\d.]+) (\w+)", r):
+        need = f"{float(m.group(1)):.0f}" + ("" if m.group(2) == m.group(4) else f" {m.group(2)}")
+        return f"host RAM {need} > {float(m.group(3)):.0f} {m.group(4)}"
     return r
 
 

@@ -1,5 +1,6 @@
 """The plan as a user reads it: JSON contract, ranking, the chosen candidate, what fits."""
 import json
+import re
 
 import pytest
 
@@ -104,3 +105,22 @@ def test_tensor_parallel_plan_counts_the_whole_model(cli, model, published, stra
     assert d["model"]["num_params"] == published
     chosen = d["candidates"][d["chosen"]]
     assert chosen["layout"]["tp_size"] == 2 and chosen["num_trainable_params"] == published
+
+
+def test_every_rank_building_the_whole_model_on_the_host_is_checked_against_host_ram(cli):
+    """Each of a node's ranks builds the whole model on the host before its backend moves or
+    shards it: 8 ranks of Llama-2-7B (6,738,415,616 parameters, model card) built in fp32 (torch
+    backends under bf16-mixed autocast) need 8 x 4 bytes each, over a 150 GiB host; DeepSpeed
+    builds in bf16, half of that, and fits."""
+    r = cli("model=llama-2-7b", "gpus=8", "hardware=a100-80g", "hardware.host_memory_bytes=161061273600",
+            "report=json", "training.micro_batch_size=1")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    fp32_build = 8 * 6_738_415_616 * 4 / 2**30
+    builds = [c for c in d["candidates"] if c["reason"].startswith("host RAM: building the whole model")]
+    assert {c["backend"] for c in builds} >= {"fsdp2", "colossalai"}
+    for c in builds:
+        need = float(re.search(r"needs ([\d.]+) GiB per node", c["reason"]).group(1))
+        assert fp32_build - 0.01 <= need <= 1.02 * fp32_build, c["reason"]  # the reason rounds to 0.01 GiB
+    chosen = d["candidates"][d["chosen"]]
+    assert chosen["backend"] == "deepspeed" and chosen["fits"]
