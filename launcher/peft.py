@@ -75,6 +75,9 @@ def settings_from_config(peft_config) -> Optional[LoraSettings]:
     problems = []
     if peft_config.r < 1:
         problems.append(f"peft.r={peft_config.r}: must be at least 1, e.g. peft.r=8")
+    if peft_config.alpha <= 0:  # peft scales the adapters' update by alpha / r: 0 trains nothing
+        problems.append(f"peft.alpha={peft_config.alpha}: must be positive (the update is scaled by alpha / r), "
+                        "e.g. peft.alpha=16")
     if not 0 <= peft_config.dropout < 1:
         problems.append(f"peft.dropout={peft_config.dropout}: must be in [0, 1), e.g. 0.05")
     if peft_config.train_base and method != "lora":

@@ -32,6 +32,8 @@ BAD = [
     (["model=tiny-llama", "data.path=/dev/null"], "data.path=/dev/null: unsupported file type", ".txt"),
     (["model=tiny-llama", "mode=measure", "measure.timing_steps=-1"], "measure.timing_steps=-1", "zero or more"),
     (["model=tiny-llama", "mode=measure", "measure.memory_steps=0"], "measure.memory_steps=0", "at least 1"),
+    (["model=tiny-llama", "training.seq_len=64", "peft=lora", "peft.alpha=0"], "peft.alpha=0", "peft.alpha=16"),
+    (["model=tiny-llama", "training.seq_len=64", "peft=lora", "peft.r=0"], "peft.r=0", "peft.r=8"),
     # found by the planner, after Hydra made the run directory, which goes again
     (["model=tiny-llama", "gpus=3", "strategy=fsdp2_tp", "training.seq_len=64"], "strategy=fsdp2_tp: tp_size=2",
      "gpus=<a multiple of 2>"),
