@@ -221,6 +221,8 @@ cfg = json.loads(sys.argv[1])
 config = transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
                                   num_key_value_heads=2, vocab_size=320, use_cache=False)
 model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+# a weight its class keeps in fp32 (transformers' _keep_in_fp32_modules), as the engine would cast it
+model.model.norm.weight.data = model.model.norm.weight.data.float()
 moved, to = [], torch.nn.Module.to
 def spy(self, *args, **kwargs):  # a move of the whole model, by anyone
     if self is model:
@@ -237,6 +239,7 @@ loss = backend.micro_step(torch.randint(0, 320, (2, 16)), last=True)
 backend.optimizer_step()
 print("RESULT", json.dumps({"moves_model": moves_model(SimpleNamespace(backend="deepspeed", **vars(spec))),
                             "moved": len(moved), "partitioned": all(hasattr(p, "ds_id") for p in params),
+                            "dtypes": sorted({str(p.ds_tensor.dtype) for p in params}),
                             "loss": float(loss)}))
 """
 
@@ -256,4 +259,5 @@ def test_zero3_partitions_the_host_built_model_without_moving_it_whole(tmp_path)
     assert line is not None, out.stderr[-3000:]
     result = json.loads(line[len("RESULT "):])
     assert result["moves_model"] and result["partitioned"] and result["moved"] == 0
+    assert result["dtypes"] == ["torch.bfloat16"]  # the fp32 weight too, as the engine casts it
     assert 0 < result["loss"] < 100

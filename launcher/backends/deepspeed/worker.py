@@ -88,9 +88,21 @@ def _partition_on_host(model, config: dict, device):
     same call itself (parameter_offload.py `_convert_to_zero_parameters`), but only after moving the
     whole module to the device (engine.py `_configure_distributed_model`), which a model larger
     than one GPU does not survive. Partitioned first, the module counts as built under zero.Init:
-    the engine moves nothing, so the buffers are moved here."""
+    the engine neither moves it nor casts its parameters to its 16-bit dtype
+    (`_cast_module_mixed_precision` casts only a module not built under zero.Init), so both are
+    done here first: parameters a transformers class keeps in fp32 (`_keep_in_fp32_modules`)
+    would otherwise be partitioned in fp32 beside 16-bit ones, which ZeRO-3's flat groups refuse.
+    The engine's buffer pass still runs."""
     import deepspeed
+    from deepspeed.runtime.engine import CASTABLE_DTYPES
+    import torch
 
+    half = (torch.bfloat16 if config.get("bf16", {}).get("enabled") else
+            torch.float16 if config.get("fp16", {}).get("enabled") else None)
+    if half is not None:  # as the engine's _cast_module_mixed_precision does for a module it will move
+        for p in model.parameters():
+            if p.dtype in CASTABLE_DTYPES and p.dtype != half:
+                p.data = p.data.to(half)
     deepspeed.zero.Init(module=model, config_dict_or_path=config)
     for module in model.modules():
         for name, buf in module._buffers.items():
