@@ -205,7 +205,7 @@ def trace_key(spec: ModelSpec, strategy: Strategy, wl: Workload, lora=None):
 def model_numbers(traces) -> dict:
     """Parameter counts of the traced model at full depth, extrapolated from the traced shallow
     models (tied weights counted once): one tensor-parallel rank's shard for a tensor-parallel
-    trace (what the speed model reads), the whole model otherwise (`whole_model_numbers`)."""
+    trace (what the speed model reads), the whole model otherwise (`whole_model_traces`)."""
     def count(t, trainable_only=False):
         rows = t.params.tied_to < 0
         if trainable_only:
@@ -215,32 +215,21 @@ def model_numbers(traces) -> dict:
             "num_trainable_params": round(traces.at_depth(lambda t: count(t, True)))}
 
 
-def whole_model_traces(config: LauncherConfig, spec: ModelSpec, strategy: Strategy, wl: Workload, lora=None,
-                       traces=None):
-    """The traced step of the whole model this candidate trains, whatever its tensor-parallel
-    degree (`traces`: the candidate's own, used when it is not tensor-parallel): a
-    tensor-parallel trace holds one rank's shard (launcher/tp_shard.py), so the whole model is the
-    same step traced unsharded (pipeline traces hold every layer)."""
-    key = trace_key(spec, strategy, wl, lora)
-    if key.tp_size == 1 and traces is not None:
+def whole_model_traces(config: LauncherConfig, spec: ModelSpec, key, traces):
+    """The traced step of the whole model a candidate trains, whatever its tensor-parallel degree
+    (`key`, `traces`: the candidate's own): a tensor-parallel trace holds one rank's shard
+    (launcher/tp_shard.py), so the whole model is the same step traced unsharded (pipeline traces
+    hold every layer)."""
+    if key.tp_size == 1:
         return traces
     return trace.trace_set(replace(key, tp_size=1), spec.num_layers, cache_dir=config.cache_dir)
 
 
-def host_build_need(traces, strategy: Strategy, wl: Workload, traced_dtype: str, quantized: bool) -> int:
-    """Host RAM one rank needs to build the model (0 where not modelled: quantized bases): the
-    worker builds the whole model on the host in every process before its backend moves or
-    shards it (launcher/memory/host_build.py `build_peak_bytes` of the whole model's trace, in
-    the dtype the worker builds it in)."""
-    if quantized:
-        return 0
-    return host_build.build_peak_bytes(traces, traced_dtype, model_dtype(wl.precision, strategy.backend))
-
-
 HOST_BUILD_NOTE = ("host RAM: each of a node's {ranks} ranks builds the whole model on the host ({dtype}, "
                    "{each} with its construction temporaries, traced) before its backend moves or shards it: "
-                   "{node} per node at setup, checked with any offloaded states against the {host} of "
-                   "hardware.host_memory_bytes.")
+                   "{node} per node at setup (the host copy goes as the model is moved or sharded, so the "
+                   "larger of that and the offloaded states is checked against the {host} of "
+                   "hardware.host_memory_bytes).")
 
 
 def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy: Strategy,
@@ -258,20 +247,22 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
     wl = replace(workload(config, spec, micro), gradient_checkpointing=variant.gradient_checkpointing,
                  grad_accum_steps=accum)
     lora = backend_of(strategy).peft_of(strategy, variant.lora)
-    traces = traced(config, spec, strategy, wl, lora)
+    key = trace_key(spec, strategy, wl, lora)
+    traces = trace.trace_set(key, spec.num_layers, cache_dir=config.cache_dir)  # `traced`
     replay_memo = replay_memo if replay_memo is not None else ReplayMemo.shared(config.cache_dir)
     numbers = model_numbers(traces)
-    whole_traces = whole_model_traces(config, spec, strategy, wl, lora, traces)
+    whole_traces = whole_model_traces(config, spec, key, traces)
     whole = model_numbers(whole_traces)
     knobs = registry.knobs(config)
     varlen = varlen_run(config, spec, cluster, strategy, wl, lora)
     mem = memory_model.estimate(traces, strategy, wl, cluster, knobs, dp, attention_workspace(spec, strategy, wl),
                                 replay_memo=replay_memo, varlen=varlen)
-    key = trace_key(spec, strategy, wl, lora)
     mem = replace(mem, notes=tuple(mem.notes) + trace.trace_notes(key))
+    build = host_build.host_build_bytes(whole_traces, strategy, wl, key.param_dtype,
+                                        quantized=lora is not None and lora.quant_type is not None)
     if cluster.device == "cpu":  # the host, where the worker builds the whole model, is the device
-        mem = host_build.with_host_build(mem, traces, strategy, wl, key.param_dtype,
-                                         quantized=lora is not None and lora.quant_type is not None)
+        mem = host_build.with_host_build(mem, build, model_dtype(wl.precision, strategy.backend))
+        build = 0  # checked as the device's own memory
     if cluster.device == "cuda" and lora is not None and lora.quant_type == "torchao_nf4":
         mem = torchao_build.with_build(mem, traces, config.peft.nf4_quantize_chunk, replay_memo)
     flops = step_flops(traces)
@@ -283,8 +274,6 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
                                dp_size=dp, knobs=knobs, spec=spec, counts=step_counts(traces, config))
     usable = int(cluster.memory_bytes * (1 - config.planner.safety_margin))
     fits_device = mem.oom_bytes <= usable
-    quantized = lora is not None and lora.quant_type is not None
-    build = host_build_need(whole_traces, strategy, wl, key.param_dtype, quantized) if cluster.device == "cuda" else 0
     host_need = max(mem.host_bytes, build) * cluster.gpus_per_node
     fits_host = host_need <= cluster.host_memory_bytes
     if build:
@@ -469,6 +458,8 @@ def prefetch(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env
             wl = replace(workload(config, spec, micro), gradient_checkpointing=variant.gradient_checkpointing)
             lora = backend_of(strategy).peft_of(strategy, variant.lora)
             keys.append(trace_key(spec, strategy, wl, lora))
+            if strategy.tp_size > 1:  # the whole model's step (`whole_model_traces`)
+                keys.append(replace(keys[-1], tp_size=1))
             if config.training.length_profile and cluster.device == "cuda" and wl.seq_len >= 2:  # `varlen_run`
                 keys.append(trace_key(spec, strategy, replace(wl, seq_len=wl.seq_len // 2), lora))
     trace.prefetch(keys, spec.num_layers, config.cache_dir)

@@ -7,6 +7,7 @@ plan.html hold every candidate.
 """
 from __future__ import annotations
 
+import math
 import re
 import shutil
 
@@ -51,8 +52,9 @@ def short_verdict(c: Candidate, chosen: bool) -> str:
         need = m.group(1) if m.group(2) == m.group(4) else f"{m.group(1)} {m.group(2)}"
         return f"OOM: {need} > {m.group(3)} {m.group(4)}"
     if m := re.match(r"host RAM: .* needs ([\d.]+) (\w+) per node > ([\d.]+) (\w+)", r):
-        need = f"{float(m.group(1)):.0f}" + ("" if m.group(2) == m.group(4) else f" {m.group(2)}")
-        return f"host RAM {need} > {float(m.group(3)):.0f} {m.group(4)}"
+        # whole units, the need rounded up and the capacity down, so a small excess still shows
+        need = f"{math.ceil(float(m.group(1)))}" + ("" if m.group(2) == m.group(4) else f" {m.group(2)}")
+        return f"host RAM {need} > {math.floor(float(m.group(3)))} {m.group(4)}"
     return r
 
 

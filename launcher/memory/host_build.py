@@ -18,9 +18,13 @@ shard (launcher/backends/colossalai/worker.py `plugin_moves_model`), so the whol
 on the device. The others keep the whole model on each GPU and the worker moves it there first:
 below the step's peak, which holds it too.
 
+Tensor- and pipeline-parallel strategies build the whole model too: their build is read from
+the unsharded step (a tensor-parallel trace holds one rank's shard; a pipeline's, every layer).
+On GPUs the build is checked against the node's host RAM instead (launcher/planner.py
+`HOST_BUILD_NOTE`): every rank builds at once.
+
 Not modelled: quantized bases (bitsandbytes' and GPTQ's construction differs from the trace's
-stand-ins), tensor- and pipeline-parallel strategies (their traces build one shard or stage,
-the worker the whole model).
+stand-ins).
 """
 from __future__ import annotations
 
@@ -49,15 +53,23 @@ def build_peak_bytes(traces: TraceSet, traced_dtype: str, build_dtype: str) -> i
     return int(round(traces.phase_max("build", curve)))
 
 
-def with_host_build(mem: MemoryEstimate, traces: TraceSet, strategy: Strategy, workload: Workload,
-                    traced_dtype: str, quantized: bool) -> MemoryEstimate:
-    """`mem` with the build's peak (`build_peak_bytes`) as its `setup` phase where that is the
-    larger, on every rank (each builds the whole model); unchanged for the cases the module
-    docstring leaves out."""
-    if quantized or strategy.tp_size > 1 or strategy.pp_size > 1:
+def host_build_bytes(traces: TraceSet, strategy: Strategy, workload: Workload, traced_dtype: str,
+                     quantized: bool) -> int:
+    """What one rank's build of the whole model peaks at on the host (`build_peak_bytes` in the
+    dtype the worker builds it in), from `traces` of the whole model (a tensor-parallel
+    candidate's are its unsharded step: launcher/planner.py `whole_model_traces`); 0 where not
+    modelled (quantized bases)."""
+    if quantized:
+        return 0
+    return build_peak_bytes(traces, traced_dtype, model_dtype(workload.precision, strategy.backend))
+
+
+def with_host_build(mem: MemoryEstimate, build: int, dtype: str) -> MemoryEstimate:
+    """`mem` on CPU processes, where the host is the device, with `build` (`host_build_bytes`,
+    built in `dtype`) as its `setup` phase where that is the larger, on every rank (each builds
+    the whole model)."""
+    if not build:
         return mem
-    dtype = model_dtype(workload.precision, strategy.backend)
-    build = build_peak_bytes(traces, traced_dtype, dtype)
     note = (f"CPU processes: building the whole model on the host ({dtype}) peaks at "
             f"{build / 2**20:.1f} MiB (parameters, buffers and construction temporaries, traced); "
             "the peak is the larger of that and the step's.")

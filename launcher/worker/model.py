@@ -113,6 +113,13 @@ def lora_settings(spec):
     return LoraSettings.from_dict(peft) if peft else None
 
 
+def quantized_base(spec) -> bool:
+    """QLoRA: the base is quantized on the device as it is built (launcher/peft.py
+    `quantize_base_4bit`), so it arrives there whole, whatever the backend."""
+    lora = lora_settings(spec)
+    return lora is not None and bool(lora.quant_type)
+
+
 def apply_peft(model, spec, lora):
     """The same peft.LoraConfig the estimator traced (launcher/peft.py). QLoRA first replaces the
     base Linears by bitsandbytes 4-bit ones on the GPU and, unless `upcast_non_quantized` is off,

@@ -98,7 +98,8 @@ def test_short_verdicts_and_wide_report(runs, bloom):
     ("fits; not launchable: ColossalAI 0.5.0's pipeline forwards target transformers 4.51", "fits; not launchable here"),
     ("host RAM: offload needs 900.00 GiB per node > 512.00 GiB", "host RAM 900 > 512 GiB"),
     ("host RAM: building the whole model on each rank needs 2055.12 GiB per node > 2048.00 GiB",
-     "host RAM 2055 > 2048 GiB"),
+     "host RAM 2056 > 2048 GiB"),
+    ("host RAM: offload needs 2048.40 GiB per node > 2048.00 GiB", "host RAM 2049 > 2048 GiB"),
 ])
 def test_short_verdict(reason, short):
     from launcher.report_table import short_verdict

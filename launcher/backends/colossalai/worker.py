@@ -34,7 +34,7 @@ from launcher.backends.colossalai import cpu
 from launcher.backends.colossalai.rules import ADAMW
 from launcher.errors import ConfigError
 from launcher.worker import layout
-from launcher.worker.model import lora_settings
+from launcher.worker.model import quantized_base
 from launcher.worker.optim import make_optimizer, make_scheduler
 
 PLUGINS = ("TorchDDPPlugin", "LowLevelZeroPlugin", "GeminiPlugin", "HybridParallelPlugin")
@@ -106,11 +106,10 @@ def plugin_moves_model(spec) -> bool:
     (booster/plugin/hybrid_parallel_plugin.py HybridParallelModule: `shardformer.optimize`, then
     `module.to(device)`). Moved whole first, a model larger than one GPU would not survive the
     setup of a plan that holds a shard of it. TorchDDPPlugin and LowLevelZeroPlugin keep the whole
-    model on each GPU, and a QLoRA base is quantized on the device as it is built
-    (launcher/peft.py `quantize_base_4bit`): the worker moves those whole."""
-    lora = lora_settings(spec)
+    model on each GPU, and a QLoRA base arrives on the device whole (`quantized_base`): the worker
+    moves those whole."""
     return (spec.framework_config.get("plugin") in ("GeminiPlugin", "HybridParallelPlugin")
-            and not (lora is not None and lora.quant_type))
+            and not quantized_base(spec))
 
 
 class ColossalAIBackend:

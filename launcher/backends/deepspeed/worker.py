@@ -11,7 +11,7 @@ from launcher.worker.optim import make_optimizer, make_scheduler
 from launcher.types import Strategy
 from launcher.backends.deepspeed.emit import expected_half_sections, unsupported_reason
 from launcher.worker import layout
-from launcher.worker.model import lora_settings
+from launcher.worker.model import quantized_base
 
 
 
@@ -72,12 +72,10 @@ def _true_dtype_model(model, spec, config: dict):
 
 
 def partitions_on_host(spec) -> bool:
-    """ZeRO-3 of a model that is not quantized: the worker hands DeepSpeed the model as built on
-    the host and partitions it from there (`_partition_on_host`). A QLoRA base is quantized on the
-    device as it is built (launcher/peft.py `quantize_base_4bit`), so it arrives there whole."""
+    """ZeRO-3 of a model that is not quantized (`quantized_base`): the worker hands DeepSpeed the
+    model as built on the host and partitions it from there (`_partition_on_host`)."""
     stage = int(spec.framework_config.get("zero_optimization", {}).get("stage", 0))
-    lora = lora_settings(spec)
-    return stage == 3 and not (lora is not None and lora.quant_type)
+    return stage == 3 and not quantized_base(spec)
 
 
 def _partition_on_host(model, config: dict, device):
