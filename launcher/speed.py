@@ -43,7 +43,9 @@ Assumptions (each is used in exactly one function below, whose docstring gives i
    processes op dispatch, activation traffic, the memory-bound optimizer, framework copies and
    gloo collectives (latency per call + bytes) add to the FLOP time, all exposed; on a GPU only
    op dispatch counts, as max(FLOP time, ops x op_overhead_s) since launches are asynchronous,
-   for every strategy (Gemini and pipeline stages included: they launch the same kernels).
+   for every strategy (Gemini and pipeline stages included: they launch the same kernels). A
+   pipeline stage on CPU processes does 1/p of each micro-batch's host work, stretched by the
+   1F1B bubble as its FLOP time is (launcher/backends/colossalai/comm.py `host_equivalent`).
 8. Framework overhead: what a strategy's step costs beyond all of the above (the engine's Python
    bookkeeping per step, per-parameter hooks, the worker's loop) is measured on the machine by
    training a small model at two depths (launcher/calibrate_frameworks.py) and stored in the
@@ -51,6 +53,7 @@ Assumptions (each is used in exactly one function below, whose docstring gives i
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Mapping, Optional
 
 from launcher.backends.base import CommInput
@@ -167,6 +170,10 @@ def framework_overhead_s(cluster: Cluster, strategy: Strategy, counts, accum: in
     return fixed_s + per_tensor_s * tensors * accum
 
 
+STAGE_SCALED = ("forward_ops", "backward_ops", "optimizer_ops", "activation_elements", "copy_bytes",
+                "num_modules", "num_param_tensors")  # launcher/host_time.py StepCounts, per pipeline stage
+
+
 def _with_host_terms(counts, x: CommInput, backend, compute_s: float, exposed_s: float):
     """(compute_s, exposed comm_s, host terms) with launcher/host_time.py's terms (estimate_speed),
     as the backend's `host_equivalent` strategy has them on CPU processes (none for a backend
@@ -184,8 +191,13 @@ def _with_host_terms(counts, x: CommInput, backend, compute_s: float, exposed_s:
     model_bytes = 4 if workload.precision == "32-true" or (torch_run and workload.precision.endswith("-mixed")) else 2
     master_bytes = model_bytes if torch_run else (2 if workload.precision == "bf16-true" else 4)
     grad_bytes = model_bytes if torch_run else (4 if workload.precision == "32-true" else 2)
-    host = host_time_s(counts, he.strategy, workload, cluster, trainable=x.trainable,
-                       num_params=x.num_params, dp=x.dp, accum=x.accum, model_bytes=model_bytes,
+    share = he.stage_share  # a pipeline stage's part of the model and of each micro-batch
+    if share != 1:
+        counts = replace(counts, **{f: getattr(counts, f) * share for f in STAGE_SCALED})
+    host = host_time_s(counts, he.strategy, workload, cluster, trainable=int(x.trainable * share),
+                       num_params=int(x.num_params * share), dp=x.dp, accum=x.accum, model_bytes=model_bytes,
                        master_bytes=master_bytes, grad_bytes=grad_bytes, ds=he.ds, ddp=x.knobs["ddp"])
+    for term in ("dispatch_s", "activation_traffic_s"):  # per micro-batch: stretched by a pipeline's idle time
+        host[term] *= he.idle_factor
     host["comm_s"] += he.extra_comm_s
     return compute_s, host["comm_s"], host

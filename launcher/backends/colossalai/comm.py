@@ -73,12 +73,18 @@ def comm(x: CommInput) -> tuple:
 
 
 def host_equivalent(x: CommInput):
-    """Gemini and pipelines do not run on CPU processes: no host-time model (None). The others
-    share the host terms of `colossalai_host_equivalent`, on the traced parameters (a tp shard's
-    under tensor parallelism), plus the tensor-parallel all-reduces."""
+    """Gemini does not run on CPU processes: no host-time model (None). The others share the
+    host terms of `colossalai_host_equivalent`, on the traced parameters (a tp shard's under
+    tensor parallelism), plus the tensor-parallel all-reduces. A pipeline stage (pp > 1) does 1/p
+    of every micro-batch's host work and holds 1/p of the parameters; on a CPU process its host
+    work is its compute, so the 1F1B bubble stretches it as `comm` stretches the FLOP time:
+    (m + p - 1) / m for m micro-batches per flush. Stage-to-stage sends are not modelled."""
     strategy, workload = x.strategy, x.workload
-    if strategy.name == "cai_gemini" or strategy.pp_size > 1:
+    if strategy.name == "cai_gemini":
         return None
     host_strategy, ds = colossalai_host_equivalent(strategy, x.knobs["colossalai"])
+    pp = strategy.pp_size
+    m = num_microbatches(x.knobs["colossalai"], pp)
+    idle = (m + pp - 1) / m
     tp_s = tp_comm_s(strategy, workload, x.cluster, x.spec, x.accum, 4 if workload.precision == "32-true" else 2)
-    return HostEquivalent(host_strategy, ds, extra_comm_s=tp_s)
+    return HostEquivalent(host_strategy, ds, extra_comm_s=tp_s * idle, stage_share=1 / pp, idle_factor=idle)
