@@ -294,6 +294,23 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
                      num_trainable_params=whole["num_trainable_params"]), whole
 
 
+def step_batches(config: LauncherConfig, strategy: Strategy, micros: list[int],
+                 dp: int) -> tuple[list[int], list[int], str]:
+    """The micro-batch sizes whose optimizer step the strategy's backend can make of the global
+    batch (its `grad_accum` rule), the sizes it cannot, and the backend's first reason."""
+    rule = backend_of(strategy).grad_accum
+    kept, left, reason = [], [], ""
+    for micro in micros:
+        try:
+            if rule:
+                rule(strategy, config, grad_accum(config, micro, dp))
+            kept.append(micro)
+        except ConfigError as err:
+            left.append(micro)
+            reason = reason or str(err).removeprefix(f"strategy={strategy.name}: ")
+    return kept, left, reason
+
+
 def varlen_run(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy: Strategy, wl: Workload,
                lora=None) -> VarlenRun | None:
     """With a length profile on a GPU: the step traced again at half the peak length, and the
@@ -365,6 +382,7 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env | N
     env = env or detect()
     candidates: list[Candidate] = []
     notes: list[str] = []
+    unplanned: dict[str, tuple[set, str]] = {}  # label -> (micro-batch sizes some layout cannot step, a reason)
     numbers: dict = {}
     memo, done = ReplayMemo.shared(config.cache_dir), CandidateMemo(config, spec, cluster)
     variants = training_variants(config, cluster.device)
@@ -400,6 +418,11 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env | N
                 raise ConfigError(f"training.global_batch_size={config.training.global_batch_size} is not divisible by "
                                   f"any micro-batch x data-parallel size {dp}; use a multiple of {dp}")
             label = f"{strategy.name}{'' if len(variants) == 1 else ' (' + variant.label + ')'}"
+            if config.strategy.name == "auto":  # e.g. a pipeline's accumulation against its 1F1B micro-batches
+                micros, left, why = step_batches(config, strategy, micros, dp)
+                if left:
+                    sizes, _ = unplanned.setdefault(label, (set(), why))
+                    sizes.update(left)
             for micro in micros:
                 try:
                     hit = done.get(strategy, micro, variant)
@@ -418,6 +441,8 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env | N
                     break
     finally:
         trace.stop_prefetch()
+    notes += [f"{label} not planned at micro-batch {', '.join(map(str, sorted(sizes)))} (for some layouts): {why}"
+              for label, (sizes, why) in unplanned.items()]
     memo.save()
     done.save()
     asked = variants[0].trains
@@ -444,7 +469,7 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env | N
     model = {"name": spec.name, "model_type": spec.model_type, **numbers,
              "num_layers": spec.num_layers, "hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size}
     return Plan(model=model, hardware=cluster.hardware, gpus=cluster.num_gpus, nodes=cluster.num_nodes,
-                candidates=tuple(ranked), chosen=chosen, notes=tuple(notes))
+                candidates=tuple(ranked), chosen=chosen, notes=tuple(dict.fromkeys(notes)))  # each note once
 
 
 def prefetch(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env, pairs) -> None:

@@ -124,3 +124,20 @@ def test_every_rank_building_the_whole_model_on_the_host_is_checked_against_host
         assert fp32_build - 0.01 <= need <= 1.02 * fp32_build, c["reason"]  # the reason rounds to 0.01 GiB
     chosen = d["candidates"][d["chosen"]]
     assert chosen["backend"] == "deepspeed" and chosen["fits"]
+
+
+def test_a_global_batch_one_pipeline_layout_cannot_step_leaves_the_others_planned(cli):
+    """With training.global_batch_size=8 on 4 GPUs, a 2-stage pipeline at micro-batch 4 would
+    accumulate 1 micro-batch where its 1F1B schedule runs 2: those sizes are left out with one
+    note, and every other strategy and size is planned (the whole plan used to stop with the
+    pipeline's error)."""
+    r = cli("model=tiny-llama", "gpus=4", "hardware=a100-80g", "training.global_batch_size=8",
+            "training.seq_len=64", "report=json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    left = [n for n in d["notes"] if n.startswith("cai_pp not planned at micro-batch")]
+    assert len(left) == 1 and "colossalai.num_microbatches=2" in left[0], d["notes"]
+    assert len(d["notes"]) == len(set(d["notes"]))
+    pipelines = [c for c in d["candidates"] if c["strategy"] == "cai_pp"]
+    assert pipelines and all(c["micro_batch_size"] * c["grad_accum_steps"] * 4 // (c["layout"]["tp_size"] * 2) == 8
+                             for c in pipelines)
