@@ -128,7 +128,7 @@ def _phase_totals(traces: TraceSet, layouts: list, gathered, extra: dict, cluste
     two traced depths (allocated includes the cuBLAS workspaces on cuda)."""
     cuda = cluster.device == "cuda"
     rounding = runtime.allocator_rounding_bytes(cluster.device)
-    ext = full_depth_peaks(layouts[0], layouts[-1], traces.num_layers, rounding)
+    ext = full_depth_peaks(layouts[0], layouts[-1], traces.num_layers, rounding, device_only=cuda)
     if ext is None:  # the two depths' peaks extrapolated per segment
         peaks = [phase_peaks(lay, rounding, with_host=not cuda) for lay in layouts]
         ext = extrapolate_peaks(layouts, peaks, traces.num_layers)

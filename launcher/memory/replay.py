@@ -192,7 +192,8 @@ def _mover(deeper: Layout, blocks: tuple[int, int], k: int):
     return moved
 
 
-def full_depth_peaks(shallower: Layout, deeper: Layout, num_layers: int, rounding: int = 1) -> PhasePeaks | None:
+def full_depth_peaks(shallower: Layout, deeper: Layout, num_layers: int, rounding: int = 1,
+                     device_only: bool = False) -> PhasePeaks | None:
     """Each phase's peak of live device bytes and its breakdown in the step rebuilt at
     `num_layers` layers (`full_depth_items`), each storage rounded up to `rounding`; the phases'
     bounds move as the events outside the layers do. Unlike a linear extrapolation of the two
@@ -200,9 +201,11 @@ def full_depth_peaks(shallower: Layout, deeper: Layout, num_layers: int, roundin
     layers only at the model's ends (FSDP2 full fine-tuning of Llama-2-7B: the first block's
     backward, which has no earlier block to prefetch, is the 2-layer step's peak, so the
     extrapolated backward peak grew by a reduce-scatter buffer per layer: 23.1 GiB against 15.7 at
-    32 layers). None when the step cannot be rebuilt, or when the layout keeps storages in host
-    memory (their rebuild is not modelled)."""
-    if any(term.host for lay in (shallower, deeper) for term in lay.terms):
+    32 layers). None when the step cannot be rebuilt. Storages a layout keeps in host memory
+    (offload) are not rebuilt: with `device_only` (a GPU's peaks) they are left out, as they are
+    not device memory; otherwise (CPU processes, where the host is the device) such a layout
+    gives None, and its caller extrapolates per segment."""
+    if not device_only and any(term.host for lay in (shallower, deeper) for term in lay.terms):
         return None
     full = full_depth_items(shallower, deeper, num_layers)
     if full is None:
