@@ -203,6 +203,17 @@ class _Recorder:
         return self.row_of[id(st)]
 
 
+def grouped_mm_flop(a, b, *args, out_val=None, **kwargs) -> int:
+    """FLOPs of `aten._grouped_mm` (torch's registry has none): each output element is a dot
+    product of length k = a.shape[-1], except when offsets split that contraction itself (a and b
+    both 2D, the weight gradient of an expert layer: out is groups x m x n, and the groups share
+    the k rows), where it is 2 m n k in all (torch/_meta_registrations.py `_meta_grouped_mm`)."""
+    k = a.shape[-1]
+    if a.dim() == 2 and b.dim() == 2:
+        return 2 * out_val.shape[-2] * out_val.shape[-1] * k
+    return 2 * out_val.numel() * k
+
+
 def _dispatch_mode(recorder: _Recorder):
     """A TorchDispatchMode that reports every output storage to `recorder` (with its element size
     and the OpClass of the op) and counts FLOPs."""
@@ -216,6 +227,8 @@ def _dispatch_mode(recorder: _Recorder):
     # torch's registry lacks the CPU flash-attention kernels; their FLOPs are those of sdpa.
     formulas[aten._scaled_dot_product_flash_attention_for_cpu] = sdpa_flop
     formulas[aten._scaled_dot_product_flash_attention_for_cpu_backward] = sdpa_backward_flop
+    if hasattr(aten, "_grouped_mm"):  # mixture-of-experts layers (transformers' `grouped_mm` experts)
+        formulas[aten._grouped_mm] = grouped_mm_flop
     see, Tensor = recorder.see, torch.Tensor
     copy_ops = {getattr(aten, name) for name in COPY_OPS if hasattr(aten, name)}
 
@@ -803,7 +816,7 @@ def at_micro_batch(ta: StepTrace, tb: StepTrace, micro_batch_size: int) -> StepT
 
 # ----------------------------------------------------------------------------- cache
 
-_FORMAT_VERSION = 12  # the tracer's version: bump when the trace's content or file layout changes
+_FORMAT_VERSION = 13  # the tracer's version: bump when the trace's content or file layout changes
 _MEMO: dict[str, StepTrace] = {}
 _ROW_FIELDS = ("nbytes", "alloc", "free", "kind", "ready", "param", "itemsize", "op_class", "owner",
                "buffer_layer")

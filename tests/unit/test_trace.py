@@ -318,3 +318,22 @@ def test_foreach_adamw_temporaries_name_their_parameter():
     same = {int(p) for p, nb in zip(owners, step.nbytes[temps]) if nb == step.params.numel[p] * 4}
     assert same == set(trainable.tolist())
     assert (step.owner[step.param >= 0] == -1).all()  # parameters, gradients, states keep `param`
+
+
+def test_mixture_of_experts_flops_count_each_token_through_its_experts():
+    """transformers' grouped-GEMM experts (aten._grouped_mm, absent from torch's FLOP registry)
+    send every token through its top-k experts' three projections: forward 2 x tokens x top_k x 3
+    x hidden x intermediate per layer beside the Linears and attention, backward twice that (the
+    input gradient and the weight gradient, whose contraction the per-expert offsets split). They
+    were counted as 0, so Mixtral's step was planned at a seventh of its FLOPs."""
+    cfg = transformers.MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=320,
+                                     num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256)
+    b, s, layers = 2, 64, 2
+    n_linear, _ = linear_weights(transformers.MixtralConfig(**cfg.to_dict()), layers)  # attention, head
+    n_linear += layers * cfg.num_local_experts * cfg.hidden_size  # the router's weight (not an nn.Linear)
+    attention = layers * 4 * b * s * s * cfg.hidden_size
+    experts = layers * 2 * b * s * 2 * 3 * cfg.hidden_size * cfg.intermediate_size
+    t = tr.trace_step(key(cfg, layers, b, s, param_dtype="bfloat16"))
+    assert t.flops["forward"] == 2 * b * s * n_linear + attention + experts
+    assert t.flops["backward"] == pytest.approx(2 * (t.flops["forward"] - attention) + 2.5 * attention)
