@@ -29,6 +29,7 @@ any micro-batch size from the traces at two consecutive micro-batch sizes.
 from __future__ import annotations
 
 import contextlib
+import logging
 import dataclasses
 import hashlib
 import json
@@ -697,6 +698,21 @@ def _canonical_free_order(free: np.ndarray, num_events: int, boundaries) -> np.n
     return out
 
 
+@contextlib.contextmanager
+def _quiet_fake_kernels():
+    """FakeTensorMode logs, with its traceback, every op whose meta kernel refuses its inputs
+    before raising it (fake_tensor.py `run_fallback_kernel`: e.g. `aten._grouped_mm` on fp32
+    experts); the error itself still reaches the planner, which names the strategy it rules out
+    in one note, so the log is held back while a step is traced."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def trace_step(key: TraceKey) -> StepTrace:
     """Trace one training step of `key` under fake tensors on the CPU device."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -704,7 +720,8 @@ def trace_step(key: TraceKey) -> StepTrace:
     rec, marks, grads = _Recorder(), {}, {}
     linear = _zero3_linear() if key.zero3_linear else contextlib.nullcontext()
     sdpa = _sdpa_as_transformers4() if key.transformers4 else contextlib.nullcontext()
-    with _unpacked_sequences(), linear, sdpa, FakeTensorMode(allow_non_fake_inputs=True), _dispatch_mode(rec):
+    with _unpacked_sequences(), linear, sdpa, _quiet_fake_kernels(), FakeTensorMode(allow_non_fake_inputs=True), \
+            _dispatch_mode(rec):
         model, opt = _run_step(key, rec, marks, grads)
         n, num_events = len(rec.nbytes), marks["end"]  # later frees and rows are not the step's
         params, param_rows = _param_table(model, rec)

@@ -126,3 +126,14 @@ def test_a_plan_shows_no_library_notices(cli):
     noise = [ln for ln in (r.stderr + r.stdout).splitlines()
              if "Warning" in ln or "kernels-community" in ln or "warnings.warn" in ln]
     assert noise == [], noise
+
+
+def test_a_step_the_fake_tensors_refuse_is_one_line_without_torchs_log(cli):
+    """Mixtral's grouped-GEMM experts refuse fp32 weights (DDP keeps fp32 weights under autocast):
+    the planner names the failure in one line; FakeTensorMode's own log of the op, with its
+    traceback, stays out of the output."""
+    r = cli("model=mixtral-8x7b", "gpus=2", "hardware=a100-80g", "strategy=ddp", "training.seq_len=64")
+    assert r.returncode == 2, r.stderr
+    assert [ln for ln in r.stderr.splitlines() if ln.startswith("error:")] == [
+        next(ln for ln in r.stderr.splitlines() if ln.startswith("error: strategy=ddp: the traced step fails"))]
+    assert "Traceback" not in r.stderr and "fake_tensor.py" not in r.stderr
