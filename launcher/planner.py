@@ -518,6 +518,12 @@ def plan_notes(config: LauncherConfig, cluster: Cluster, chosen: int | None, any
     elif chosen is None:
         notes.append("nothing fits; what would: " + "; ".join(suggestions(config, cluster)))
     t = config.training
+    precision = getattr(t.precision, "value", t.precision)
+    if cluster.device == "cuda" and 0 < cluster.sm_arch < 80 and precision.startswith("bf16"):
+        notes.append(f"training.precision={precision} on hardware={cluster.hardware} (sm{cluster.sm_arch}): GPUs before "
+                     "Ampere (sm80) have no bf16 tensor cores, so bf16 matmuls are planned at the profile's "
+                     f"peak_tflops.bf16 ({cluster.peak_tflops.get('bf16', 0):g}) against fp16's "
+                     f"{cluster.peak_tflops.get('fp16', 0):g}; training.precision=16-mixed uses the tensor cores")
     if t.length_profile:
         profile = lengths.load(t.length_profile)
         peak = profile.peak_length(t.seq_len, t.length_multiple_of)

@@ -159,3 +159,13 @@ def test_offloading_never_needs_more_gpu_memory_and_no_term_is_negative(cli):
         assert all(v >= 0 for v in m["breakdown"].values()), (strategy, m["breakdown"])
     for base in ("fsdp2", "zero3"):
         assert plans[f"{base}_offload"]["peak_allocated_bytes"] < plans[base]["peak_allocated_bytes"]
+
+
+@pytest.mark.parametrize("hardware,noted", [("v100-16g", True), ("a100-80g", False)])
+def test_bf16_before_ampere_is_noted_with_the_fp16_alternative(cli, hardware, noted):
+    """Volta and Turing have no bf16 tensor cores: a bf16 plan there says so and names
+    training.precision=16-mixed; an Ampere plan does not."""
+    r = cli("model=gpt2", "gpus=1", f"hardware={hardware}", "training.seq_len=128", "report=json")
+    assert r.returncode == 0, r.stderr
+    notes = [n for n in json.loads(r.stdout)["notes"] if "no bf16 tensor cores" in n]
+    assert bool(notes) is noted and all("training.precision=16-mixed" in n for n in notes)
