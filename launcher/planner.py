@@ -18,7 +18,6 @@ from launcher.backends.registry import backend_of
 from launcher.candidate_memo import CandidateMemo
 from launcher.config import LauncherConfig
 from launcher.environment import Env, detect
-from launcher.precision import model_dtype
 from launcher.errors import ConfigError
 from launcher.lengths import VarlenRun
 from launcher.margin import confidence_note
@@ -29,6 +28,7 @@ from launcher.memory.runtime import flash_attention_backward_bytes
 from launcher.model import ModelSpec, effective_attention
 from launcher.parallel import tp_degrees, tp_sizes
 from launcher.peft import TrainingVariant, trace_fields, training_variants
+from launcher.precision import model_dtype
 from launcher.types import Candidate, Cluster, Plan, Strategy, Workload
 
 STRATEGIES = registry.STRATEGIES  # name -> template, derived from the backend registry

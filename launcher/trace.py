@@ -29,10 +29,10 @@ any micro-batch size from the traces at two consecutive micro-batch sizes.
 from __future__ import annotations
 
 import contextlib
-import logging
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import re
 import weakref
@@ -701,9 +701,10 @@ def _canonical_free_order(free: np.ndarray, num_events: int, boundaries) -> np.n
 @contextlib.contextmanager
 def _quiet_fake_kernels():
     """FakeTensorMode logs, with its traceback, every op whose meta kernel refuses its inputs
-    before raising it (fake_tensor.py `run_fallback_kernel`: e.g. `aten._grouped_mm` on fp32
-    experts); the error itself still reaches the planner, which names the strategy it rules out
-    in one note, so the log is held back while a step is traced."""
+    before raising the error (torch/_subclasses/fake_tensor.py `_dispatch_impl`:
+    `log.exception("failed while attempting to run meta for %s")`, e.g. `aten._grouped_mm` on
+    fp32 experts); the error itself still reaches the planner, which names the strategy it rules
+    out in one note, so the log is held back while a step is traced."""
     log = logging.getLogger("torch._subclasses.fake_tensor")
     level = log.level
     log.setLevel(logging.CRITICAL)

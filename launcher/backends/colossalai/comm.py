@@ -42,8 +42,8 @@ def comm(x: CommInput) -> tuple:
       (1/tp of the model's); `tp_comm_s` adds the per-layer activation all-reduces.
     - pipeline parallelism (p > 1): the micro-batches of one optimizer step (grad_accum, a
       multiple of num_microbatches m) are the pipeline's micro-batches; the traced FLOPs cover all
-      layers, a stage runs 1/p of them and holds 1/p of the parameters, and each 1F1B flush of m micro-batches idles
-      (p-1)/(m+p-1) of its time (the bubble; GPipe arXiv:1811.06965, 1F1B arXiv:2104.04473
+      layers, a stage runs 1/p of them and holds 1/p of the parameters, and each 1F1B flush of m
+      micro-batches idles (p-1)/(m+p-1) of its time (the bubble; GPipe arXiv:1811.06965, 1F1B arXiv:2104.04473
       sec. 2.2): compute_s / p / (1 - bubble). Stage-to-stage activation sends are not modelled
       (b x s x hidden per micro-batch, small next to the all-reduces)."""
     strategy, workload, cluster, cai = x.strategy, x.workload, x.cluster, x.knobs["colossalai"]
