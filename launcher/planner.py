@@ -252,7 +252,7 @@ def evaluate(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strategy
     replay_memo = replay_memo if replay_memo is not None else ReplayMemo.shared(config.cache_dir)
     numbers = model_numbers(traces)
     whole_traces = whole_model_traces(config, spec, key, traces)
-    whole = model_numbers(whole_traces)
+    whole = numbers if whole_traces is traces else model_numbers(whole_traces)
     knobs = registry.knobs(config)
     varlen = varlen_run(config, spec, cluster, strategy, wl, lora)
     mem = memory_model.estimate(traces, strategy, wl, cluster, knobs, dp, attention_workspace(spec, strategy, wl),

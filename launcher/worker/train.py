@@ -30,6 +30,12 @@ class RankEnv:
     local_rank: int
     device: str  # 'cpu' | 'cuda'
 
+    def torch_device(self):
+        """This rank's torch device: its local GPU, or the CPU."""
+        import torch
+
+        return torch.device("cuda", self.local_rank) if self.device == "cuda" else torch.device("cpu")
+
 
 @dataclass
 class Inputs:
@@ -192,7 +198,7 @@ def train(spec, env: RankEnv, inputs: Inputs, dataset: PackedDataset, resume_dir
     import torch
 
     seed_everything(spec.seed)  # identical initial weights on every rank
-    device = torch.device("cuda", env.local_rank) if env.device == "cuda" else torch.device("cpu")
+    device = env.torch_device()
     own_layout = layout.layout_of(spec, env.world_size)
     saved_layout = layout.read_layout(resume_dir) if resume_dir is not None else None
     neutral = resume_dir is not None and not layout.same_layout(saved_layout, own_layout)

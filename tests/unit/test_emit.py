@@ -216,6 +216,7 @@ deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 deepspeed.init_distributed(dist_backend="gloo")
 from launcher.backends.deepspeed.worker import DeepSpeedBackend
 from launcher.worker.backends import moves_model
+from launcher.worker.train import RankEnv
 
 cfg = json.loads(sys.argv[1])
 config = transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
@@ -232,7 +233,7 @@ torch.nn.Module.to = spy
 spec = SimpleNamespace(framework_config=cfg, micro_batch_size=2, grad_accum_steps=1, precision="bf16-mixed",
                        max_grad_norm=1.0, optimizer="adamw_torch", learning_rate=1e-3, weight_decay=0.0,
                        sgd_momentum=0.0, warmup_steps=0, peft=None, strategy="zero3", device="cpu")
-backend = DeepSpeedBackend(model, spec, SimpleNamespace(world_size=1, local_rank=0, device="cpu"), None,
+backend = DeepSpeedBackend(model, spec, RankEnv(rank=0, world_size=1, local_rank=0, device="cpu"), None,
                            SimpleNamespace(phase=lambda name: __import__("contextlib").nullcontext()))
 params = list(backend.engine.module.parameters())
 loss = backend.micro_step(torch.randint(0, 320, (2, 16)), last=True)

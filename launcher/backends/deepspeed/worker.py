@@ -114,14 +114,12 @@ class DeepSpeedBackend:
 
     def __init__(self, model, spec, env, plan, meter) -> None:
         import deepspeed
-        import torch
 
         deepspeed.utils.logger.setLevel(logging.WARNING)
         config = deepspeed_config(spec, env.world_size)
         model = _true_dtype_model(model, spec, config)
         if partitions_on_host(spec):
-            device = torch.device("cuda", env.local_rank) if env.device == "cuda" else torch.device("cpu")
-            model = _partition_on_host(model, config, device)
+            model = _partition_on_host(model, config, env.torch_device())
         optimizer = make_optimizer(spec.optimizer, model.parameters(), spec.learning_rate, spec.weight_decay,
                                    spec.sgd_momentum)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
