@@ -55,6 +55,8 @@ from __future__ import annotations
 
 import contextlib
 
+from launcher.worker.gloo import settle
+
 
 class _CpuStream:
     """Stands for a CUDA stream: CPU work is synchronous, so every wait is already satisfied."""
@@ -167,19 +169,6 @@ class _InPlaceReduceScatter:
         return None
 
 
-SETTLE_TIMEOUT_S = 1.0
-
-
-def _settle(tensors, counts) -> None:
-    """Wait until each tensor's reference count is back to what it was before the collective
-    (gloo's worker thread has dropped the finished work), at most SETTLE_TIMEOUT_S."""
-    import time
-
-    deadline = time.monotonic() + SETTLE_TIMEOUT_S
-    while any(t._use_count() > c for t, c in zip(tensors, counts)) and time.monotonic() < deadline:
-        time.sleep(0)
-
-
 class _SettledWork:
     """An async collective's handle whose `wait()` also drops the work and settles its tensors."""
 
@@ -190,7 +179,7 @@ class _SettledWork:
         if self._work is not None:
             done = self._work.wait(*args, **kwargs)
             self._work = None
-            _settle(self._tensors, self._counts)
+            settle(self._tensors, self._counts)
             return done
         return True
 
@@ -222,7 +211,7 @@ class _SettledCollectives:
             work = collective(*args, **kwargs)
             if kwargs.get("async_op"):
                 return _SettledWork(work, tensors, counts)
-            _settle(tensors, counts)
+            settle(tensors, counts)
             return work
 
         return call
