@@ -287,3 +287,41 @@ def test_qlora_with_cpu_offload_is_planned_never_chosen(trace_cache):
     (cand,) = plan.candidates
     assert cand.fits and plan.chosen is None
     assert "estimate only" in cand.reason and cand.memory.host_bytes > 0
+
+
+SETTLED_SCRIPT = r"""
+import json, torch, torch.distributed as dist
+from launcher.backends.fsdp2.worker import gloo_all_gather
+
+dist.init_process_group("gloo")
+group, settled = dist.group.WORLD, gloo_all_gather()
+held = {"gloo": 0, "settled": 0}
+for _ in range(300):
+    for name in held:
+        inp, out = torch.ones(4096), torch.empty(2 * 4096)
+        before = out._use_count()
+        if name == "gloo":
+            dist.all_gather_single(out, inp, group=group)
+        else:
+            settled(out, inp, group)
+        held[name] += out._use_count() > before  # still referenced by gloo's worker thread
+print("RESULT", json.dumps(held))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.integration
+def test_fsdp2_all_gather_on_gloo_returns_once_gloo_lets_go_of_its_output(tmp_path):
+    """gloo's worker thread can still reference a finished all-gather's output when the call
+    returns (launcher/worker/gloo.py); the worker's FSDP2 all-gather on CPU processes returns only
+    once it has let go, so FSDP2 frees the output where it would on a GPU. 300 calls each way on 2
+    gloo ranks: the settled one never returns with the output still held."""
+    script = tmp_path / "settled.py"
+    script.write_text(SETTLED_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
+                           str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
+    for line in lines:
+        assert json.loads(line.removeprefix("RESULT "))["settled"] == 0, line
