@@ -50,6 +50,27 @@ def strategies_for(config: LauncherConfig, spec: ModelSpec | None = None) -> lis
     return out
 
 
+def unexpanded_notes(config: LauncherConfig, spec: ModelSpec, noted: list[str]) -> list[str]:
+    """Under strategy=auto, a line for each tensor- or pipeline-parallel template that has no
+    valid layout on this cluster (Backend.expand gave none) and no line in `noted` yet: the reason
+    its backend gives when the strategy is asked for by name, with the GPU counts that would allow
+    one."""
+    if config.strategy.name != "auto":
+        return []
+    notes = []
+    for template in STRATEGIES.values():
+        expand = backend_of(template).expand
+        if expand is None or expand(template, config, spec) or any(n.startswith(f"{template.name} ") for n in noted):
+            continue
+        by_name = replace(config, strategy=type(config.strategy)[template.name])
+        try:
+            expand(template, by_name, spec)
+        except ConfigError as err:
+            why = str(err).removeprefix(f"strategy={template.name}: ").removesuffix("; or strategy=auto")
+            notes.append(f"{template.name} not planned: {why}")
+    return notes
+
+
 def micro_batch_sizes(config: LauncherConfig, dp: int) -> list[int]:
     """Micro-batches to try: the given one, else powers of two up to the limit that divide the
     global batch (when one is given); with training.optimizer_in_backward, only those that make the
@@ -402,6 +423,7 @@ def plan(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env | N
         if not trace.tp_traceable(spec.model_type) and tp_sizes(config, spec):
             notes.append(f"{name} not planned: no tensor-parallel sharding rule for model type {spec.model_type} "
                          "yet (launcher/tp_shard.py)")
+    notes += unexpanded_notes(config, spec, notes)
     prefetch(config, spec, cluster, env, pairs)
     try:
         for strategy, variant in pairs:
@@ -490,6 +512,9 @@ def prefetch(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, env: Env
     trace.prefetch(keys, spec.num_layers, config.cache_dir)
 
 
+SPEED_TIE = 5e-4  # tokens/s equal to the verdict's three decimals: a tie, ranked by device total
+
+
 def explain_loss(c: Candidate, best: Candidate | None, spec: ModelSpec, env: Env | None = None,
                  kernels_why: str = "") -> Candidate:
     """Say why a fitting candidate lost against the chosen one."""
@@ -504,6 +529,10 @@ def explain_loss(c: Candidate, best: Candidate | None, spec: ModelSpec, env: Env
     if c.trains != best.trains:
         return replace(c, reason=f"fits; trains {c.trains} instead of {best.trains} "
                                  f"({'faster' if ratio < 1 else 'slower'}: {1 / ratio:.3f}x the chosen's tokens/s)")
+    if ratio < 1 + SPEED_TIE:  # the ranking's next key decided: the device total
+        return replace(c, reason=f"fits; as fast as the chosen (the same estimated tokens/s), more memory: "
+                                 f"{gib(c.memory.device_total_bytes)} > {gib(best.memory.device_total_bytes)} "
+                                 "device total")
     return replace(c, reason=f"fits; lost on speed: {ratio:.3f}x slower than the chosen")
 
 
