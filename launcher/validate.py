@@ -115,6 +115,7 @@ def problems(c: LauncherConfig, argv: list[str] | None = None) -> list[str]:
             out.append(f"deepspeed.{key}={getattr(ds, key)}: must be a positive number of elements")
     if c.ddp.bucket_cap_mb <= 0:
         out.append(f"ddp.bucket_cap_mb={c.ddp.bucket_cap_mb}: must be positive, e.g. 25")
+    out += flash_attention_problems(c)
     if c.hardware.memory_bytes <= 0:
         out.append(f"hardware.memory_bytes={c.hardware.memory_bytes}: must be positive")
     if c.model.trust_remote_code and not set_true_on_command_line(
@@ -122,3 +123,18 @@ def problems(c: LauncherConfig, argv: list[str] | None = None) -> list[str]:
         out.append("model.trust_remote_code: may only be enabled on the command line "
                    "(model.trust_remote_code=true), never from a config or recipe file")
     return out
+
+
+def flash_attention_problems(c: LauncherConfig) -> list[str]:
+    """FlashAttention-2 runs on Ampere and newer only (flash-attn README, "FlashAttention-2 currently
+    supports: Ampere, Ada, or Hopper GPUs"; its kernels refuse older GPUs with "FlashAttention only
+    supports Ampere GPUs or newer", csrc/flash_attn/flash_api.cpp): on a profile below sm80 the run
+    would stop at its first step. SDPA runs there (its memory-efficient backend)."""
+    hw = c.hardware
+    if hw.device != "cuda" or not 0 < hw.sm_arch < 80:
+        return []
+    return [f"{key}=flash_attention_2: FlashAttention-2 needs an Ampere or newer GPU (sm80+) and "
+            f"hardware={hw.name} is sm{hw.sm_arch}; use {key}=sdpa"
+            for key, attn in (("training.attn_implementation", c.training.attn_implementation),
+                              ("inference.attn_implementation", c.inference.attn_implementation))
+            if attn.name == "flash_attention_2"]

@@ -34,6 +34,8 @@ BAD = [
     (["model=tiny-llama", "mode=measure", "measure.memory_steps=0"], "measure.memory_steps=0", "at least 1"),
     (["model=tiny-llama", "training.seq_len=64", "peft=lora", "peft.alpha=0"], "peft.alpha=0", "peft.alpha=16"),
     (["model=tiny-llama", "training.seq_len=64", "peft=lora", "peft.r=0"], "peft.r=0", "peft.r=8"),
+    (["model=tiny-llama", "hardware=v100-16g", "training.attn_implementation=flash_attention_2"],
+     "training.attn_implementation=flash_attention_2: FlashAttention-2 needs an Ampere", "attn_implementation=sdpa"),
     # found by the planner, after Hydra made the run directory, which goes again
     (["model=tiny-llama", "gpus=3", "strategy=fsdp2_tp", "training.seq_len=64"], "strategy=fsdp2_tp: tp_size=2",
      "gpus=<a multiple of 2>"),
