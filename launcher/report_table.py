@@ -77,11 +77,12 @@ def title(plan: Plan, capacity_bytes: int, device: str) -> str:
     k = plan.model.get("num_trainable_params")
     trainable = f", {k:,} trainable" if k is not None and k != n else ""
     size = f"{n / 1e9:.2f}B" if n and n >= 1e8 else f"{(n or 0) / 1e6:.2f}M"
+    counted = f" ({size} params{trainable})" if n else ""  # nothing traced: no count to give
     where = (f"{plan.gpus} CPU processes ({plan.hardware} profile)" if device == "cpu"
              else f"{plan.gpus} x {plan.hardware}")
     each = "per process" if device == "cpu" else "per GPU"
     nodes = f" over {plan.nodes} nodes" if plan.nodes > 1 else ""
-    return (f"{plan.model['name']} ({size} params{trainable}) on {where}{nodes}: "
+    return (f"{plan.model['name']}{counted} on {where}{nodes}: "
             f"{capacity_bytes / scale:.2f} {unit} {each}")
 
 

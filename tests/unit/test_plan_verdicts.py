@@ -48,3 +48,16 @@ def test_a_candidate_as_fast_as_the_chosen_lost_on_memory():
     assert short_verdict(tie, False) == "as fast; 26.04 > 22.35 GiB"
     slower = planner.explain_loss(_candidate("ddp", 20000.0, 20.0), best, spec)
     assert slower.reason == "fits; lost on speed: 1.026x slower than the chosen"
+
+
+def test_a_plan_with_nothing_traced_gives_no_parameter_count():
+    """When every strategy is left out before its trace the header read '(0.00M params)'."""
+    from launcher.report_table import title
+    from launcher.types import Plan
+
+    empty = Plan(model={"name": "llama-2-7b"}, hardware="a100-80g", gpus=8, nodes=1, candidates=(), chosen=None,
+                 notes=())
+    assert title(empty, 80 * 2**30, "cuda") == "llama-2-7b on 8 x a100-80g: 80.00 GiB per GPU"
+    counted = Plan(model={"name": "gpt2", "num_params": 124_439_808, "num_trainable_params": 124_439_808},
+                   hardware="cpu", gpus=2, nodes=1, candidates=(), chosen=None, notes=())
+    assert title(counted, 2**30, "cpu").startswith("gpt2 (0.12B params) on 2 CPU processes")
