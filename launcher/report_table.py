@@ -46,6 +46,8 @@ def short_verdict(c: Candidate, chosen: bool) -> str:
         return f"{float(m.group(1)):.2f}x slower"
     if m := re.match(r"fits; as fast as the chosen .*: ([\d.]+) (\w+) > ([\d.]+) (\w+) device total", r):
         return f"as fast; {m.group(1)} > {m.group(3)} {m.group(4)}"
+    if r.startswith("fits; ties with the chosen"):
+        return "ties with the chosen"
     if r.startswith("fits; not launchable"):
         return "fits; not launchable here"
     if m := re.match(r"fits; trains (\S+) instead of (\S+)", r):

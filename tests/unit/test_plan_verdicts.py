@@ -46,6 +46,10 @@ def test_a_candidate_as_fast_as_the_chosen_lost_on_memory():
     assert tie.reason == ("fits; as fast as the chosen (the same estimated tokens/s), more memory: "
                           "26.04 GiB > 22.35 GiB device total")
     assert short_verdict(tie, False) == "as fast; 26.04 > 22.35 GiB"
+    same = planner.explain_loss(_candidate("cai_ddp", 20520.0, 22.35), best, spec)
+    assert same.reason == ("fits; ties with the chosen on speed and memory (22.35 GiB device total): the chosen "
+                           "comes first in the strategy list")
+    assert short_verdict(same, False) == "ties with the chosen"
     slower = planner.explain_loss(_candidate("ddp", 20000.0, 20.0), best, spec)
     assert slower.reason == "fits; lost on speed: 1.026x slower than the chosen"
 
