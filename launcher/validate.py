@@ -129,7 +129,8 @@ def flash_attention_problems(c: LauncherConfig) -> list[str]:
     """FlashAttention-2 runs on Ampere and newer only (flash-attn README, "FlashAttention-2 currently
     supports: Ampere, Ada, or Hopper GPUs"; its kernels refuse older GPUs with "FlashAttention only
     supports Ampere GPUs or newer", csrc/flash_attn/flash_api.cpp): on a profile below sm80 the run
-    would stop at its first step. SDPA runs there (its memory-efficient backend)."""
+    would stop at its first step. SDPA runs there, without its flash backend (PyTorch's SDPA
+    dispatch, aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, takes flash from sm80 on)."""
     hw = c.hardware
     if hw.device != "cuda" or not 0 < hw.sm_arch < 80:
         return []
