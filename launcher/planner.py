@@ -375,7 +375,10 @@ def mean_length_flops(flops: dict, short_flops: dict, wl: Workload, varlen: Varl
 def attention_workspace(spec: ModelSpec, strategy: Strategy, wl: Workload) -> int:
     """FlashAttention-2's backward workspace of one layer on a GPU (memory/runtime.py
     `flash_attention_backward_bytes`) for 16-bit flash_attention_2 and sdpa (whose flash backend
-    serves 16-bit causal attention without a mask); 0 for eager and fp32 attention."""
+    serves 16-bit causal attention without a mask); 0 for eager and fp32 attention. Before sm80
+    SDPA has no flash backend and runs the memory-efficient one, whose backward also keeps fp32
+    accumulators per batch and head (mem_eff_attention/kernel_backward.h `workspace_size`); its
+    size is taken as FlashAttention-2's (an approximation, not modelled separately)."""
     if wl.attn_implementation not in ("sdpa", "flash_attention_2") or wl.precision == "32-true":
         return 0
     tp = strategy.tp_size
