@@ -170,16 +170,21 @@ class _InPlaceReduceScatter:
 
 
 class _SettledWork:
-    """An async collective's handle whose `wait()` also drops the work and settles its tensors."""
+    """An async collective's handle whose `wait()` also drops the work and settles its tensors.
+    `held`: the references to each tensor the work took when it was launched (its count right
+    after the call less the count before). The counts to settle to are read when `wait()` starts,
+    less those: between the call and `wait()` the caller may drop or take references of its own
+    (a count taken before the call then matched while gloo still held the tensor)."""
 
-    def __init__(self, work, tensors, counts) -> None:
-        self._work, self._tensors, self._counts = work, tensors, counts
+    def __init__(self, work, tensors, held) -> None:
+        self._work, self._tensors, self._held = work, tensors, held
 
     def wait(self, *args, **kwargs):
         if self._work is not None:
+            counts = [t._use_count() - h for t, h in zip(self._tensors, self._held)]
             done = self._work.wait(*args, **kwargs)
             self._work = None
-            settle(self._tensors, self._counts)
+            settle(self._tensors, counts)
             return done
         return True
 
@@ -210,7 +215,7 @@ class _SettledCollectives:
             counts = [t._use_count() for t in tensors]
             work = collective(*args, **kwargs)
             if kwargs.get("async_op"):
-                return _SettledWork(work, tensors, counts)
+                return _SettledWork(work, tensors, [t._use_count() - c for t, c in zip(tensors, counts)])
             settle(tensors, counts)
             return work
 
