@@ -1,6 +1,8 @@
-"""The shardformer's async collectives on gloo (launcher/backends/colossalai/cpu.py
-`_SettledCollectives`): `wait()` returns only once gloo's worker thread has let go of the tensor,
-even when the caller drops a reference of its own between the call and `wait()`."""
+"""Collectives on gloo that return only once gloo's worker thread has let go of their tensors
+(launcher/worker/gloo.py `settle`): the shardformer's async collectives
+(launcher/backends/colossalai/cpu.py `_SettledCollectives`), even when the caller drops references
+of its own between the call and `wait()`, and FSDP2's all-gather on CPU processes
+(launcher/backends/fsdp2/worker.py `gloo_all_gather`)."""
 import json
 import os
 import subprocess
@@ -51,4 +53,43 @@ def test_async_all_reduce_waits_for_gloo_even_when_the_caller_drops_a_reference(
     for rank in (0, 1):
         held = json.loads((tmp_path / f"result-{rank}.json").read_text())
         print(rank, held)
+        assert held["settled"] == 0, held
+
+
+SETTLED_SCRIPT = r"""
+import json, torch, torch.distributed as dist
+from launcher.backends.fsdp2.worker import gloo_all_gather
+
+dist.init_process_group("gloo")
+group, settled = dist.group.WORLD, gloo_all_gather()
+held = {"gloo": 0, "settled": 0}
+for _ in range(300):
+    for name in held:
+        inp, out = torch.ones(4096), torch.empty(2 * 4096)
+        before = out._use_count()
+        if name == "gloo":
+            dist.all_gather_single(out, inp, group=group)
+        else:
+            settled(out, inp, group)
+        held[name] += out._use_count() > before  # still referenced by gloo's worker thread
+with open(f"result-{dist.get_rank()}.json", "w") as f:  # one file per rank: their stdout lines interleave
+    json.dump(held, f)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.integration
+def test_fsdp2_all_gather_on_gloo_returns_once_gloo_lets_go_of_its_output(tmp_path):
+    """gloo's worker thread can still reference a finished all-gather's output when the call
+    returns (launcher/worker/gloo.py); the worker's FSDP2 all-gather on CPU processes returns only
+    once it has let go, so FSDP2 frees the output where it would on a GPU. 300 calls each way on 2
+    gloo ranks: the settled one never returns with the output still held."""
+    script = tmp_path / "settled.py"
+    script.write_text(SETTLED_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
+                           str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    for rank in (0, 1):
+        held = json.loads((tmp_path / f"result-{rank}.json").read_text())
         assert held["settled"] == 0, held
