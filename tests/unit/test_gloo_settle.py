@@ -10,7 +10,19 @@ import sys
 
 import pytest
 
-SCRIPT = r"""
+def on_two_gloo_ranks(script: str, tmp_path) -> list[dict]:
+    """Run `script` on 2 gloo ranks (torchrun) and read the JSON each rank wrote to
+    result-<rank>.json (one file per rank: their stdout lines interleave)."""
+    path = tmp_path / "settled.py"
+    path.write_text(script)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
+                           str(path)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return [json.loads((tmp_path / f"result-{rank}.json").read_text()) for rank in (0, 1)]
+
+
+ASYNC_SCRIPT = r"""
 import json, torch, torch.distributed as dist
 from launcher.backends.colossalai.cpu import _SettledCollectives
 
@@ -44,15 +56,7 @@ def test_async_all_reduce_waits_for_gloo_even_when_the_caller_drops_a_reference(
     returned early (102 of 300 calls on one rank here). A ColossalAI tensor-parallel run once read,
     on one rank under load, one activation gradient above the estimate (tiny-bloom, 32,768 bytes,
     -1.47%): a hold of this kind, not reproduced since."""
-    script = tmp_path / "settled.py"
-    script.write_text(SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
-                           str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    for rank in (0, 1):
-        held = json.loads((tmp_path / f"result-{rank}.json").read_text())
-        print(rank, held)
+    for held in on_two_gloo_ranks(ASYNC_SCRIPT, tmp_path):
         assert held["settled"] == 0, held
 
 
@@ -84,12 +88,5 @@ def test_fsdp2_all_gather_on_gloo_returns_once_gloo_lets_go_of_its_output(tmp_pa
     returns (launcher/worker/gloo.py); the worker's FSDP2 all-gather on CPU processes returns only
     once it has let go, so FSDP2 frees the output where it would on a GPU. 300 calls each way on 2
     gloo ranks: the settled one never returns with the output still held."""
-    script = tmp_path / "settled.py"
-    script.write_text(SETTLED_SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
-                           str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    for rank in (0, 1):
-        held = json.loads((tmp_path / f"result-{rank}.json").read_text())
+    for held in on_two_gloo_ranks(SETTLED_SCRIPT, tmp_path):
         assert held["settled"] == 0, held
