@@ -532,14 +532,13 @@ def explain_loss(c: Candidate, best: Candidate | None, spec: ModelSpec, env: Env
     if c.trains != best.trains:
         return replace(c, reason=f"fits; trains {c.trains} instead of {best.trains} "
                                  f"({'faster' if ratio < 1 else 'slower'}: {1 / ratio:.3f}x the chosen's tokens/s)")
-    if ratio < 1 + SPEED_TIE and gib(c.memory.device_total_bytes) == gib(best.memory.device_total_bytes):
-        return replace(c, reason=f"fits; ties with the chosen on speed and memory "
-                                 f"({gib(c.memory.device_total_bytes)} device total): the chosen comes first in "
-                                 "the strategy list")
-    if ratio < 1 + SPEED_TIE:  # the ranking's next key decided: the device total
+    if ratio < 1 + SPEED_TIE:  # the ranking's next key decided: the device total, then the strategy list
+        mine, chosen = gib(c.memory.device_total_bytes), gib(best.memory.device_total_bytes)
+        if mine == chosen:
+            return replace(c, reason=f"fits; ties with the chosen on speed and memory ({mine} device total): "
+                                     "the chosen comes first in the strategy list")
         return replace(c, reason=f"fits; as fast as the chosen (the same estimated tokens/s), more memory: "
-                                 f"{gib(c.memory.device_total_bytes)} > {gib(best.memory.device_total_bytes)} "
-                                 "device total")
+                                 f"{mine} > {chosen} device total")
     return replace(c, reason=f"fits; lost on speed: {ratio:.3f}x slower than the chosen")
 
 
