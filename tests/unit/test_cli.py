@@ -123,7 +123,7 @@ def test_a_plan_shows_no_library_notices(cli):
     notices about optional CPU kernels and deprecated attributes (launcher/__init__.py) say nothing
     about the plan and stay out of the user's terminal."""
     r = cli("model=tiny-llama", "gpus=1", "hardware=a100-80g", "peft=qlora", "training.seq_len=64",
-            "training.gradient_checkpointing=true", "mode=plan")
+            "training.gradient_checkpointing=true", "training.micro_batch_size=1", "mode=plan")
     assert r.returncode == 0, r.stderr[-2000:]
     noise = [ln for ln in (r.stderr + r.stdout).splitlines()
              if "Warning" in ln or "kernels-community" in ln or "warnings.warn" in ln]

@@ -229,7 +229,8 @@ def test_accelerate_reads_the_fsdp2_config(tmp_path, strategy):
 
 
 def test_eight_gpus_plan_fsdp2_next_to_deepspeed_and_colossalai(cli):
-    r = cli("model=llama-3.1-8b", "gpus=8", "hardware=h100-80g", "mode=plan", "report=json", timeout=600)
+    r = cli("model=llama-3.1-8b", "gpus=8", "hardware=h100-80g", "training.micro_batch_size=4", "mode=plan",
+            "report=json", timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     plan = json.loads(r.stdout)
     names = {c["strategy"] for c in plan["candidates"]}

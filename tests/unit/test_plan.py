@@ -168,7 +168,8 @@ def test_offloading_never_needs_more_gpu_memory_and_no_term_is_negative(cli):
 def test_bf16_before_ampere_is_noted_with_the_fp16_alternative(cli, hardware, noted):
     """Volta and Turing have no bf16 tensor cores: a bf16 plan there says so and names
     training.precision=16-mixed; an Ampere plan does not."""
-    r = cli("model=gpt2", "gpus=1", f"hardware={hardware}", "training.seq_len=128", "report=json")
+    r = cli("model=gpt2", "gpus=1", f"hardware={hardware}", "strategy=single", "training.micro_batch_size=1",
+            "training.seq_len=128", "report=json")
     assert r.returncode == 0, r.stderr
     notes = [n for n in json.loads(r.stdout)["notes"] if "no bf16 tensor cores" in n]
     assert bool(notes) is noted and all("training.precision=16-mixed" in n for n in notes)
