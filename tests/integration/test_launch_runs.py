@@ -19,8 +19,10 @@ FRAMEWORK_FILE = {"ddp": "ddp_config.json"}
 _LOSSES: dict[str, list[float]] = {}
 
 
-# zero1 runs end to end in test_accuracy.py (measured within 1%) and test_resume_backends.py
-@pytest.mark.parametrize("strategy", ["ddp", pytest.param("zero0", marks=pytest.mark.long),
+# zero1 runs end to end in test_accuracy.py (measured within 1%) and test_resume_backends.py; ddp in
+# test_resume_backends.py, test_faults.py and test_report.py (a real run's plan.html)
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.long),
+                                      pytest.param("zero0", marks=pytest.mark.long),
                                       pytest.param("zero1", marks=pytest.mark.long),
                                       pytest.param("zero2", marks=pytest.mark.long), "zero3"])
 def test_fine_tunes_through_the_launcher(cli, strategy):

@@ -129,6 +129,7 @@ def test_grad_accumulation_matches_larger_micro_batch(tmp_path: Path) -> None:
     assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in w], abs=1e-3)
 
 
+@pytest.mark.long  # the default suite resumes DDP in test_resume_backends.py (identical losses, corrupt latest)
 def test_resume_continues_exactly(tmp_path: Path) -> None:
     straight = tmp_path / "straight"
     assert torchrun(write_spec(straight, max_steps=15)).returncode == 0
