@@ -176,7 +176,7 @@ def launch_problem(strategy: Strategy, spec: ModelSpec, peft: dict | None = None
     need transformers 4.51: they run in the ColossalAI environment
     (launcher/backends/colossalai/runtime.py), estimate only without one. A vocabulary that tp does not divide is
     padded, and ColossalAI 0.5.0 cannot checkpoint a padded layer's optimizer state
-    (launcher/backends/colossalai/emit.py `vocab_multiple`)."""
+    (launcher/tp_shard.py `vocab_multiple`)."""
     if str((peft or {}).get("quant_type")).startswith("gptq"):
         return ("a GPTQ base is a pre-quantized checkpoint; the worker builds models from config.json and "
                 "quantizes with bitsandbytes only: estimate only")

@@ -22,6 +22,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+VOCAB_MULTIPLE = 64  # HybridParallelPlugin make_vocab_size_divisible_by default
+
+
+def vocab_multiple(vocab_size: int, tp_size: int) -> int:
+    """`make_vocab_size_divisible_by` for HybridParallelPlugin: the largest power of two up to the
+    plugin's default 64 that divides each rank's vocabulary shard, so the vocab-parallel embedding
+    and LM head are not padded (colossalai/shardformer/layer/embedding.py `VocabParallelEmbedding1D`
+    and linear.py `VocabParallelLMHead1D` pad to a multiple of `make_vocab_size_divisible_by x
+    tp_size`). ColossalAI 0.5.0 cannot save the sharded optimizer state of a padded layer
+    (checkpoint_io/utils.py `search_tp_partition_dim` asserts original == tp x shard rows), and an
+    unpadded shard also holds no dead rows. A vocabulary that tp does not divide must be padded:
+    the default 64 is kept (`launcher.planner.launch_problem` says the run cannot checkpoint)."""
+    if vocab_size <= 0 or vocab_size % tp_size:
+        return VOCAB_MULTIPLE
+    shard, multiple = vocab_size // tp_size, 1
+    while multiple < VOCAB_MULTIPLE and shard % (2 * multiple) == 0:
+        multiple *= 2
+    return multiple
+
 
 @dataclass(frozen=True)
 class ShardRule:

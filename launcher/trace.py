@@ -45,9 +45,8 @@ import numpy as np
 from launcher.environment import DEFAULT_CACHE_DIR, installed_version
 from launcher.gptq import GPTQ_BITS, gptq_stand_in
 from launcher import torchao_nf4
-from launcher.tp_shard import shard_model, shardable
+from launcher.tp_shard import shard_model, shardable, vocab_multiple
 from launcher.steptrace import Kind, OpClass, ParamTable, Role, StepTrace, TraceSet
-from launcher.backends.colossalai.emit import vocab_multiple
 from launcher.vocab_parallel_loss import vocab_parallel_loss
 from launcher import checkpointing
 from launcher import liger
@@ -311,7 +310,7 @@ def tp_padded_vocab(vocab_size: int, tp_size: int) -> int:
     `make_vocab_size_divisible_by x tp_size` (colossalai/shardformer/layer/parallel_module.py
     `PaddingParallelModule`; embedding.py `VocabParallelEmbedding1D` and linear.py
     `VocabParallelLMHead1D`: `multiple = make_vocab_size_divisible_by * tp_size`), with the
-    multiple the emitter writes (launcher/backends/colossalai/emit.py `vocab_multiple`)."""
+    multiple the emitter writes (launcher/tp_shard.py `vocab_multiple`)."""
     unit = vocab_multiple(vocab_size, tp_size) * tp_size
     return -(-vocab_size // unit) * unit
 

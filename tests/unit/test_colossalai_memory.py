@@ -9,7 +9,7 @@ import pytest
 
 from launcher.backends.colossalai import gemini
 from launcher.backends.colossalai.layout import buckets, gather_peak_numel, padded
-from launcher.backends.colossalai.emit import vocab_multiple
+from launcher.tp_shard import vocab_multiple
 from launcher.trace import TraceKey, build_config, tp_padded_vocab
 
 MEGA = 1024**2
