@@ -127,6 +127,9 @@ class Backend:
     - `emit_file`, `emit(x)`: the framework config file of an `EmitInput`.
     - `worker`: 'module:callable' building the worker hook (imported by the worker only).
     - `check_worker_config`: 'module:callable' checking a run's framework config in the worker.
+    - `join`: 'module:function' the worker calls with (seed, device) to join the process group the
+      framework's way (DeepSpeed's `init_distributed`, ColossalAI's `launch_from_torch`); None:
+      torch's `init_process_group`, gloo on CPU processes and nccl on GPUs.
     - `knobs`: the LauncherConfig groups this backend reads (adapted once, at the edge).
     - `expand(template, config, spec)`: the template's layouts over the valid tensor/pipeline
       degrees (launcher/parallel.py); None: the template is the strategy.
@@ -154,6 +157,7 @@ class Backend:
     emit: Callable[..., dict]
     worker: str
     check_worker_config: str
+    join: Optional[str] = None  # 'module:function' (seed, device) joining the process group; None: torch's
     problem: Callable[[Strategy, Ask], str] = lambda strategy, ask: ""
     host_equivalent: Optional[Callable[..., Optional[tuple]]] = None
     knobs: tuple = ()

@@ -11,6 +11,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass
 
+from launcher.backends import registry
 from launcher.errors import ConfigError
 from launcher.worker import checkpoint, layout, metrics, oom, stop
 from launcher.worker.backends import check_backend, make_backend, moves_model
@@ -20,7 +21,6 @@ from launcher.worker.memory import MemoryMeter
 from launcher.worker.model import (PrecisionPlan, build_model, check_seq_len, load_config, param_bytes,
                                    precision_plan)
 from launcher.worker.tokenizer import check_vocab, load_tokenizer
-from launcher.backends.colossalai.worker import launch
 
 
 @dataclass(frozen=True)
@@ -90,26 +90,18 @@ def rank_env(spec) -> RankEnv:
 
 
 def init_distributed(spec, env: RankEnv) -> None:
-    """gloo on CPU, nccl on CUDA. DeepSpeed joins through `deepspeed.init_distributed` with its
-    shared-memory comm op disabled: that op is C++ compiled on first use (~60 s) and gloo
-    does the same job here."""
+    """gloo on CPU, nccl on CUDA, joined the way the backend's framework joins (its `join` hook,
+    launcher/backends/base.py), else through torch's `init_process_group`."""
     import torch
     import torch.distributed as dist
 
-    dist_backend = "nccl" if env.device == "cuda" else "gloo"
     if env.device == "cuda":
         torch.cuda.set_device(env.local_rank)
-    if spec.backend == "deepspeed":
-        os.environ.setdefault("DS_BUILD_OPS", "0")
-        import deepspeed
-        import deepspeed.ops
-
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        deepspeed.init_distributed(dist_backend=dist_backend)
-    elif spec.backend == "colossalai":  # colossalai.launch_from_torch (launcher/backends/colossalai/worker.py)
-        launch(spec.seed, env.device)
+    join = registry.get(spec.backend).join
+    if join:
+        registry.load(join)(spec.seed, env.device)
     else:
-        dist.init_process_group(dist_backend)
+        dist.init_process_group("nccl" if env.device == "cuda" else "gloo")
 
 
 def seed_everything(seed: int) -> None:

@@ -20,6 +20,7 @@ BACKEND = Backend(
     emit=lambda x: emit.plugin_config(x.strategy, x.training, x.knobs["colossalai"], x.knobs["ddp"], x.device,
                                       x.grad_accum_steps, x.vocab_size),
     worker="launcher.backends.colossalai.worker:ColossalAIBackend",
+    join="launcher.backends.colossalai.worker:launch",
     check_worker_config="launcher.backends.colossalai.worker:check_config",
     knobs=("colossalai", "ddp"),
     expand=expand.expand, grad_accum=expand.grad_accum,

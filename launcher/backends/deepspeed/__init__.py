@@ -21,6 +21,7 @@ BACKEND = Backend(
     emit=lambda x: emit.deepspeed_config(x.strategy, x.training, x.knobs["deepspeed"], x.micro_batch_size,
                                          x.grad_accum_steps, x.dp_size),
     worker="launcher.backends.deepspeed.worker:DeepSpeedBackend",
+    join="launcher.backends.deepspeed.worker:join",
     check_worker_config="launcher.backends.deepspeed.worker:check_config",
     knobs=("deepspeed",),
     adapter_autocast=False, peft_settings=rules.peft_settings,

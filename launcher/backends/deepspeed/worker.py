@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from launcher.errors import ConfigError
@@ -13,6 +14,18 @@ from launcher.backends.deepspeed.emit import expected_half_sections, unsupported
 from launcher.worker import layout
 from launcher.worker.model import quantized_base
 
+
+
+def join(seed: int, device: str) -> None:
+    """Join the process group through `deepspeed.init_distributed` (gloo on CPU processes, nccl on
+    GPUs), with DeepSpeed's shared-memory comm op disabled: that op is C++ compiled on first use
+    (~60 s) and gloo does the same job here. The seed is the worker's (`seed_everything`)."""
+    os.environ.setdefault("DS_BUILD_OPS", "0")
+    import deepspeed
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")
 
 
 def deepspeed_config(spec, world_size: int) -> dict:
