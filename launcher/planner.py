@@ -13,7 +13,6 @@ from dataclasses import replace
 from launcher import host_time, lengths, speed, trace
 from launcher.backends import registry
 from launcher.backends.base import Ask, peft_kind
-from launcher.backends.colossalai import runtime as colossalai_runtime
 from launcher.backends.registry import backend_of
 from launcher.candidate_memo import CandidateMemo
 from launcher.config import LauncherConfig
@@ -172,11 +171,10 @@ def launch_problem(strategy: Strategy, spec: ModelSpec, peft: dict | None = None
     """Why a candidate that fits cannot be launched with the installed libraries, or ''. QLoRA of a
     mixture of experts whose experts are 3D parameters: the estimate quantizes them per expert
     (launcher/peft.py `expert_parameters`), the worker's bitsandbytes conversion covers nn.Linear only. It stays in
-    the plan as an estimate but is never chosen. ColossalAI 0.5.0's shardformer forwards (tp, pp)
-    need transformers 4.51: they run in the ColossalAI environment
-    (launcher/backends/colossalai/runtime.py), estimate only without one. A vocabulary that tp does not divide is
-    padded, and ColossalAI 0.5.0 cannot checkpoint a padded layer's optimizer state
-    (launcher/tp_shard.py `vocab_multiple`)."""
+    the plan as an estimate but is never chosen. Then the backend's own reasons: its capability
+    table's estimate-only PEFT methods and its `launch_problem` hook, which reads the installed
+    libraries (e.g. ColossalAI's shardformer forwards need transformers 4.51,
+    launcher/backends/colossalai/runtime.py)."""
     if str((peft or {}).get("quant_type")).startswith("gptq"):
         return ("a GPTQ base is a pre-quantized checkpoint; the worker builds models from config.json and "
                 "quantizes with bitsandbytes only: estimate only")
@@ -189,16 +187,7 @@ def launch_problem(strategy: Strategy, spec: ModelSpec, peft: dict | None = None
     if estimate_only:
         return estimate_only
     hook = backend_of(strategy).launch_problem
-    why = hook(strategy, spec) if hook else ""
-    if why:
-        return why
-    if strategy.backend != "colossalai" or (strategy.tp_size == 1 and strategy.pp_size == 1):
-        return ""
-    if spec.vocab_size % strategy.tp_size:
-        return (f"tp_size={strategy.tp_size} does not divide the vocabulary ({spec.vocab_size}): ColossalAI pads it and "
-                "cannot checkpoint the padded layers' optimizer state: estimate only")
-    env = env or detect()
-    return colossalai_runtime.launch_problem(strategy, env.installed, env.versions.get("transformers", "0"))
+    return hook(strategy, spec, env or detect()) if hook else ""
 
 
 def traced(config: LauncherConfig, spec: ModelSpec, strategy: Strategy, wl: Workload, lora=None):

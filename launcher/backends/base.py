@@ -135,8 +135,9 @@ class Backend:
       degrees (launcher/parallel.py); None: the template is the strategy.
     - `grad_accum(strategy, config, accum)`: the step's micro-batches when the backend decides
       them (pipeline schedules); None: the planner's accumulation.
-    - `launch_problem(strategy, spec)`: why a candidate that fits cannot be launched here ('' when
-      it can); such a candidate stays in the plan as an estimate and is never chosen.
+    - `launch_problem(strategy, spec, env)`: why a candidate that fits cannot be launched with the
+      installed libraries (`env`, launcher/environment.py `Env`) ('' when it can); such a candidate
+      stays in the plan as an estimate and is never chosen.
     - `to_neutral`: 'module:function' converting its checkpoint to torch's layout-neutral form
       (launcher/worker/layout.py), run by the launcher; None when it writes that form already.
     - `interpreter(strategy)`: the Python torchrun and the ranks run with (a path), or None for the

@@ -29,7 +29,6 @@ OLDER = {
              "launcher/validate.py", "launcher/worker/backends.py"}),
     "deepspeed": ({"launcher/backends/colossalai/layout.py", "launcher/exports.py", "launcher/host_time.py"},
                   {"launcher/planner.py"}),
-    "colossalai": ({"launcher/planner.py"}, set()),
 }
 
 

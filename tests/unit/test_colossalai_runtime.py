@@ -73,3 +73,25 @@ def test_the_worker_leaves_the_model_on_the_host_for_plugins_that_shard_it(name,
     assert moves_model(spec) is moves
     qlora = SimpleNamespace(**{**vars(spec), "peft": {"r": 8, "quant_type": "nf4"}})
     assert moves_model(qlora) is False
+
+
+def test_the_planner_asks_the_backend_why_a_candidate_cannot_launch():
+    """planner.launch_problem reaches ColossalAI's reasons through the backend's `launch_problem`
+    hook: a vocabulary that tp does not divide is padded (launcher/tp_shard.py `vocab_multiple`)
+    and ColossalAI 0.5.0 cannot checkpoint the padded layers' optimizer state (GPT-2's 50,257
+    tokens over 2 ranks); without the ColossalAI environment tp and pp are estimates; ZeRO and a
+    vocabulary tp divides (Llama's 32,000) launch."""
+    from types import SimpleNamespace
+
+    from launcher.environment import Env
+    from launcher.planner import launch_problem
+
+    ready = Env(frozenset({"colossalai", SHARDFORMER}), {"transformers": "5.23.0"})
+    gpt2, llama = (SimpleNamespace(vocab_size=v, hf_config={}, model_type=m)
+                   for v, m in ((50257, "gpt2"), (32000, "llama")))
+    why = launch_problem(TP, gpt2, None, ready)
+    assert "tp_size=2 does not divide the vocabulary (50257)" in why and why.endswith("estimate only")
+    assert launch_problem(TP, llama, None, ready) == "" and launch_problem(PP, gpt2, None, ready) == ""
+    bare = Env(frozenset({"colossalai"}), {"transformers": "5.23.0"})
+    assert "transformers 4.51" in launch_problem(PP, llama, None, bare)
+    assert launch_problem(ZERO, gpt2, None, bare) == ""

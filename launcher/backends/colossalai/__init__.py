@@ -24,5 +24,5 @@ BACKEND = Backend(
     check_worker_config="launcher.backends.colossalai.worker:check_config",
     knobs=("colossalai", "ddp"),
     expand=expand.expand, grad_accum=expand.grad_accum,
-    interpreter=runtime.interpreter, attention=runtime.attention,
+    interpreter=runtime.interpreter, attention=runtime.attention, launch_problem=runtime.candidate_problem,
 )

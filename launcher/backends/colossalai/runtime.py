@@ -57,6 +57,19 @@ def interpreter(strategy: Strategy) -> Optional[str]:
     return shardformer_python(installed) or None
 
 
+def candidate_problem(strategy: Strategy, spec, env) -> str:
+    """Why a planned tensor- or pipeline-parallel candidate cannot run here, or '' (the backend's
+    `launch_problem`). A vocabulary that tp does not divide is padded (launcher/tp_shard.py
+    `vocab_multiple`), and ColossalAI 0.5.0 cannot checkpoint a padded layer's optimizer state; the
+    shardformer's forwards need its transformers (`launch_problem`)."""
+    if strategy.tp_size == 1 and strategy.pp_size == 1:
+        return ""
+    if spec.vocab_size % strategy.tp_size:
+        return (f"tp_size={strategy.tp_size} does not divide the vocabulary ({spec.vocab_size}): ColossalAI pads it and "
+                "cannot checkpoint the padded layers' optimizer state: estimate only")
+    return launch_problem(strategy, env.installed, env.versions.get("transformers", "0"))
+
+
 def launch_problem(strategy: Strategy, installed: frozenset, transformers_version: str) -> str:
     """Why a shardformer strategy cannot start its ranks here, or ''."""
     if not uses_shardformer(strategy) or SHARDFORMER in installed:

@@ -111,7 +111,7 @@ def expand(template: Strategy, config, spec) -> list[Strategy]:
     return [replace(template, tp_size=t) for t in sizes] or [template]
 
 
-def launch_problem(strategy: Strategy, spec) -> str:
+def launch_problem(strategy: Strategy, spec, env=None) -> str:
     """Why a planned FSDP2 candidate cannot run here, or '': the tensor-parallel plan
     (tp_plan.py) names Llama-family modules."""
     if strategy.tp_size > 1 and spec.model_type not in TP_FAMILIES:
