@@ -27,7 +27,7 @@ OLDER = {
              "launcher/emit/__init__.py", "launcher/emit/accelerate.py", "launcher/exports.py",
              "launcher/host_time.py", "launcher/memory/estimate.py", "launcher/planner.py", "launcher/speed.py",
              "launcher/validate.py", "launcher/worker/backends.py"}),
-    "deepspeed": ({"launcher/backends/colossalai/layout.py", "launcher/exports.py", "launcher/host_time.py"},
+    "deepspeed": ({"launcher/exports.py", "launcher/host_time.py"},
                   {"launcher/planner.py"}),
 }
 

@@ -20,9 +20,8 @@ from launcher.backends.base import LayoutSet
 from launcher.backends.colossalai.emit import PARALLEL_OUTPUT, num_microbatches, overlap
 from launcher.backends.colossalai.gemini import gemini_bytes, search_chunk_size
 from launcher.backends.ddp.layout import DDP_NOTES, bucket_bytes, construction_peak, ddp_layout
-from launcher.backends.deepspeed.zero3 import full_depth_numels
 from launcher.errors import ConfigError
-from launcher.memory.common import (DTYPE_BYTES, Layout, accumulated_gradients, add_modelled_states,
+from launcher.memory.common import (DTYPE_BYTES, Layout, accumulated_gradients, add_modelled_states, full_depth_numels,
                                     grad_ready_order, optimizer_state_numel_factor, optimizer_step_scalar_bytes,
                                     optimizer_step_temp_numel, trainable_params, trainable_shapes)
 from launcher.backends.colossalai.rules import PLUGIN
