@@ -6,6 +6,10 @@ libraries are imported by the planner, the tracer or the worker:
   with AVX-512 BF16, that the optional `kernels` package for its CPU 4-bit GEMM is missing;
 - peft (peft_model.py) reads transformers' deprecated `is_gradient_checkpointing`, a FutureWarning
   per model built;
+- transformers (modeling_utils.py `PreTrainedModel.loss_function`) names the loss type from the
+  model's class name, finds none in GPT-2's `GPT2LMHeadModel`, and says it uses the default
+  `ForCausalLMLoss`, the causal-LM loss the plan traces and the run trains with (a loss type a
+  config names but transformers does not know still shows);
 - ColossalAI 0.5.0, in each worker rank: colossalai/utils/safetensors.py asks on import for
   TensorNVMe, used only by asynchronous checkpoint saves (the worker saves synchronously);
   shardformer/layer/normalization.py asks for apex per fused norm it cannot build (apex's fused
@@ -16,6 +20,8 @@ import logging
 import warnings
 
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+logging.getLogger("transformers.modeling_utils").addFilter(
+    lambda record: not str(record.msg).startswith("`loss_type=None` was set in the config but it is unrecognized"))
 warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 warnings.filterwarnings("ignore", message="Please install the latest tensornvme", category=UserWarning)
 warnings.filterwarnings("ignore", message="Please install apex from source", category=UserWarning)

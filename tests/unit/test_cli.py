@@ -121,13 +121,17 @@ def test_only_a_sweep_asks_hydra_for_its_mode():
 def test_a_plan_shows_no_library_notices(cli):
     """Planning LoRA and QLoRA with checkpointing imports peft, bitsandbytes and transformers: their
     notices about optional CPU kernels and deprecated attributes (launcher/__init__.py) say nothing
-    about the plan and stay out of the user's terminal."""
+    about the plan and stay out of the user's terminal; so does transformers' note that GPT-2's
+    class names no loss type and it uses the default causal-LM loss."""
     r = cli("model=tiny-llama", "gpus=1", "hardware=a100-80g", "peft=qlora", "training.seq_len=64",
             "training.gradient_checkpointing=true", "training.micro_batch_size=1", "mode=plan")
-    assert r.returncode == 0, r.stderr[-2000:]
-    noise = [ln for ln in (r.stderr + r.stdout).splitlines()
-             if "Warning" in ln or "kernels-community" in ln or "warnings.warn" in ln]
-    assert noise == [], noise
+    gpt2 = cli("model=gpt2", "gpus=1", "hardware=a100-80g", "strategy=single", "training.seq_len=32",
+               "training.micro_batch_size=1", "mode=plan")
+    for run in (r, gpt2):
+        assert run.returncode == 0, run.stderr[-2000:]
+        noise = [ln for ln in (run.stderr + run.stdout).splitlines()
+                 if "Warning" in ln or "kernels-community" in ln or "warnings.warn" in ln or "loss_type" in ln]
+        assert noise == [], noise
 
 
 def test_a_step_the_fake_tensors_refuse_is_one_line_without_torchs_log(cli):
