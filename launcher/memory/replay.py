@@ -15,7 +15,6 @@ import numpy as np
 from launcher.environment import DEFAULT_CACHE_DIR
 from .allocator import CachingAllocator, replay
 from .common import CATEGORIES, KIND_CATEGORY, Layout, PhasePeaks
-from launcher.steptrace import Kind
 from .runtime import cublas_workspace_allocations
 
 
@@ -215,9 +214,11 @@ def full_depth_peaks(shallower: Layout, deeper: Layout, num_layers: int, roundin
     start, end, nbytes = (np.array([it[f] for it in items], np.int64) for f in (0, 1, 3))
     nbytes = -(-nbytes // rounding) * rounding if rounding > 1 else nbytes
     base = [it[2] if it[2][0] in ("row", "term", "grown") else it[2][0] for it in items]  # a copy: (key, c)
-    category = [KIND_CATEGORY[Kind(int(t.kind[key[1]]))] if key[0] == "row" else
-                key[1] if key[0] == "grown" else deeper.terms[key[1]].category for key in base]
-    category = np.array(category)
+    of_kind = {int(k): c for k, c in KIND_CATEGORY.items()}
+    of_row = [of_kind.get(k) for k in t.kind.tolist()]  # each traced row's category, read once
+    of_term = [term.category for term in deeper.terms]
+    category = np.array([of_row[key[1]] if key[0] == "row" else key[1] if key[0] == "grown" else of_term[key[1]]
+                         for key in base])
     curves = {}
     for cat in CATEGORIES:
         sel = category == cat
