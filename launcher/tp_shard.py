@@ -33,7 +33,8 @@ def vocab_multiple(vocab_size: int, tp_size: int) -> int:
     tp_size`). ColossalAI 0.5.0 cannot save the sharded optimizer state of a padded layer
     (checkpoint_io/utils.py `search_tp_partition_dim` asserts original == tp x shard rows), and an
     unpadded shard also holds no dead rows. A vocabulary that tp does not divide must be padded:
-    the default 64 is kept (`launcher.planner.launch_problem` says the run cannot checkpoint)."""
+    the default 64 is kept (launcher/backends/colossalai/runtime.py `candidate_problem` says the run
+    cannot checkpoint)."""
     if vocab_size <= 0 or vocab_size % tp_size:
         return VOCAB_MULTIPLE
     shard, multiple = vocab_size // tp_size, 1

@@ -15,7 +15,6 @@ from launcher.worker import layout
 from launcher.worker.model import quantized_base
 
 
-
 def join(seed: int, device: str) -> None:
     """Join the process group through `deepspeed.init_distributed` (gloo on CPU processes, nccl on
     GPUs), with DeepSpeed's shared-memory comm op disabled: that op is C++ compiled on first use
