@@ -14,8 +14,8 @@ _LOSSES: dict[str, list[float]] = {}
 
 
 # LoRA on ZeRO-2 partitions the adapters as ZeRO-2 partitions any trainable set; ZeRO-3's partitioned
-# and gathered frozen base is also test_accuracy.py's ZeRO-3 QLoRA cell (the ddp run stays)
-# LoRA on DDP trains in the default suite under QLoRA (below) and in test_accuracy.py (within 1%)
+# and gathered frozen base is also test_accuracy.py's ZeRO-3 QLoRA cell; LoRA on DDP trains in the
+# default suite under QLoRA (below) and in test_accuracy.py (within 1%)
 @pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.long),
                                       pytest.param("zero2", marks=pytest.mark.long),
                                       pytest.param("zero3", marks=pytest.mark.long)])

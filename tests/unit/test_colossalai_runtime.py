@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 from launcher import environment, launch
 from launcher.backends import registry
 from launcher.backends.colossalai import runtime
-from launcher.environment import SHARDFORMER
+from launcher.environment import SHARDFORMER, Env
+from launcher.planner import launch_problem
 from launcher.types import Strategy
 
 TP, PP = registry.strategy("cai_tp"), registry.strategy("cai_pp")
@@ -64,8 +66,6 @@ def test_the_worker_leaves_the_model_on_the_host_for_plugins_that_shard_it(name,
     """Gemini and the hybrid plugin move the rank's part of a host-built model themselves; the
     worker moves the whole model first only for the plugins that keep it whole on each GPU, and
     for a QLoRA base, which is quantized on the device as it is built."""
-    from types import SimpleNamespace
-
     from launcher.backends.colossalai.emit import PLUGIN_OF
     from launcher.worker.backends import moves_model
 
@@ -81,11 +81,6 @@ def test_the_planner_asks_the_backend_why_a_candidate_cannot_launch():
     and ColossalAI 0.5.0 cannot checkpoint the padded layers' optimizer state (GPT-2's 50,257
     tokens over 2 ranks); without the ColossalAI environment tp and pp are estimates; ZeRO and a
     vocabulary tp divides (Llama's 32,000) launch."""
-    from types import SimpleNamespace
-
-    from launcher.environment import Env
-    from launcher.planner import launch_problem
-
     ready = Env(frozenset({"colossalai", SHARDFORMER}), {"transformers": "5.23.0"})
     gpt2, llama = (SimpleNamespace(vocab_size=v, hf_config={}, model_type=m)
                    for v, m in ((50257, "gpt2"), (32000, "llama")))
