@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+
 def on_two_gloo_ranks(script: str, tmp_path) -> list[dict]:
     """Run `script` on 2 gloo ranks (torchrun) and read the JSON each rank wrote to
     result-<rank>.json (one file per rank: their stdout lines interleave)."""
