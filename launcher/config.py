@@ -272,6 +272,25 @@ InferPrecision = _enum(
     "InferPrecision", ["bf16", "fp16", "fp32", "int8", "nf4", "fp4", "gptq_int4", "gptq_int8"],
     "Serving weights: 16-bit, fp32 (transformers' default load dtype), LLM.int8 (bitsandbytes Int8Params), bitsandbytes 4-bit, or a GPTQ "
     "checkpoint (auto-gptq QuantLinear, group size 128).")
+KvCache = _enum(
+    "KvCache", ["dynamic", "tuple", "tuple_fused_qkv"],
+    "How generate's model keeps keys and values (launcher/infer.py `_generate_phases`). dynamic: "
+    "transformers' DynamicCache (4.36 on), grown layer by layer in place of the old tensors. tuple: "
+    "per-layer (key, value) tuples that each forward rebuilds with torch.cat and returns, while generate "
+    "still holds the previous step's tuple (transformers before 4.36, and remote-code models such as "
+    "Qwen's modeling_qwen.py): two caches at a decode step's peak. tuple_fused_qkv: the same, for a "
+    "model whose prompt cache holds views of one fused q|k|v projection (Qwen's c_attn): each cached "
+    "value keeps the whole fused output alive, and a rotated key its own copy.")
+GptqKernel = _enum(
+    "GptqKernel", ["cuda_old", "exllama"],
+    "AutoGPTQ's QuantLinear for serving a GPTQ checkpoint: cuda_old (its CUDA kernel up to 128 rows, "
+    "whole-weight dequantization above; launcher/gptq.py) or exllama (4-bit only: AutoGPTQ 0.4's default, "
+    "one fp16 dequantization buffer per GPU; launcher/infer.py gptq_buffer_bytes).")
+PromptLogits = _enum(
+    "PromptLogits", ["last", "all"],
+    "Logits of the prompt's forward: last = the last position only (generate's logits_to_keep=1, "
+    "transformers 4.45 on); all = every prompt position (older transformers and remote-code heads), "
+    "kept by generate's loop until the next forward returns.")
 DeviceMap = _enum(
     "DeviceMap", ["auto", "balanced", "balanced_low_0", "sequential"],
     "from_pretrained(device_map=...): whole layers spread over the GPUs, the rest offloaded to the CPU "
@@ -342,6 +361,12 @@ class InferenceConfig:
     (and their fp32 softmax) of the largest forward; sdpa and flash_attention_2 do not."""
     double_quant: bool = False
     """nf4/fp4: bnb_4bit_use_double_quant (BitsAndBytesConfig's default is False)."""
+    kv_cache: KvCache = KvCache["dynamic"]  # type: ignore[valid-type]
+    """How the model keeps the KV cache while generating (KvCache): dynamic is transformers' own."""
+    prompt_logits: PromptLogits = PromptLogits["last"]  # type: ignore[valid-type]
+    """last: transformers' generate computes the prompt's last logits only; all: every position."""
+    gptq_kernel: GptqKernel = GptqKernel["cuda_old"]  # type: ignore[valid-type]
+    """gptq_int4/gptq_int8: AutoGPTQ's kernel (GptqKernel); exllama is 4-bit only."""
     device_map: Optional[DeviceMap] = None  # type: ignore[valid-type]
     """null: every GPU holds the whole model or its tensor-parallel shard (tp_size). auto, balanced,
     balanced_low_0, sequential: transformers' from_pretrained(device_map=...) over `gpus` GPUs,

@@ -29,6 +29,8 @@ from launcher.gptq import GPTQ_BITS, KERNEL_SWITCH_THRESHOLD, gptq_weight_bytes
 PRECISIONS = ("bf16", "fp16", "fp32", "int8", "nf4", "fp4", "gptq_int4", "gptq_int8")
 GPTQ_GROUP_SIZE = 128  # the group size of published GPTQ checkpoints (quantize_config.json), e.g. Qwen's Int4/Int8
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+KV_CACHES = ("dynamic", "tuple", "tuple_fused_qkv")  # launcher/config.py KvCache
+PROMPT_LOGITS = ("last", "all")  # launcher/config.py PromptLogits
 HALF_BYTES = 2
 FP32_BYTES = 4
 
@@ -54,6 +56,7 @@ class InferenceSpec:
     linear_weight_shapes: tuple  # (out_features, in_features) of every Linear weight bitsandbytes converts
     other_params: int  # norms, biases and anything else: 16-bit, replicated under TP
     gated_mlp: bool  # act(gate(x)) * up(x) (Llama) rather than act(fc(x)) (GPT-2, StarCoder)
+    rotary_keys: bool = True  # keys rotated by rotary positions (a new tensor, not a view of the projection)
 
     @property
     def num_params(self) -> int:
@@ -82,10 +85,23 @@ def kv_cache_bytes(spec: InferenceSpec, batch_size: int, num_tokens: int, tp_siz
     return 2 * spec.num_layers * batch_size * num_tokens * kv_heads * spec.head_dim * bytes_per_value
 
 
+def gptq_buffer_bytes(spec: InferenceSpec, precision: str, gptq_kernel: str, tp_size: int = 1) -> int:
+    """AutoGPTQ's exllama buffers on a GPU: `autogptq_post_init` allocates, per device, a `temp_dq` of
+    fp16 [1, max over its exllama layers of qweight.numel() * 8] (in x out values at 4 bits), into which
+    a large input's matmul dequantizes the weight before cuBLAS, and a `temp_state` of [1, 1] without
+    act-order (auto_gptq v0.4.2 modeling/_utils.py autogptq_post_init; the exllama QuantLinear is chosen
+    for 4 bits unless disable_exllama, utils/import_utils.py dynamically_import_QuantLinear)."""
+    if gptq_kernel != "exllama" or precision != "gptq_int4" or not spec.linear_weight_shapes:
+        return 0
+    temp_dq = HALF_BYTES * max(-(-o // tp_size) * i for o, i in spec.linear_weight_shapes)
+    return temp_dq + HALF_BYTES  # and temp_state, fp16 [1, 1]
+
+
 def weight_bytes(spec: InferenceSpec, precision: str, tp_size: int = 1, blocksize: int = 64,
-                 double_quant: bool = False) -> dict:
+                 double_quant: bool = False, gptq_kernel: str = "cuda_old") -> dict:
     """Per-GPU weight bytes. Linear weights use launcher.quant's bitsandbytes layouts for int8/nf4/fp4
-    and 2 bytes otherwise; see the module docstring for what is kept 16-bit and what TP splits."""
+    and 2 bytes otherwise; see the module docstring for what is kept 16-bit and what TP splits. A GPTQ
+    model served by the exllama kernel adds its dequantization buffer (gptq_buffer_bytes)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     dense = value_bytes(precision)
@@ -107,13 +123,15 @@ def weight_bytes(spec: InferenceSpec, precision: str, tp_size: int = 1, blocksiz
         "head_bytes": -(-spec.head_params // tp_size) * dense,
         "other_weight_bytes": spec.other_params * dense,
     }
+    if gptq_kernel == "exllama" and precision == "gptq_int4":
+        out["gptq_buffer_bytes"] = gptq_buffer_bytes(spec, precision, gptq_kernel, tp_size)
     out["total_bytes"] = sum(out.values())
     return out
 
 
 def forward_activation_bytes(spec: InferenceSpec, precision: str, batch_size: int, query_len: int,
                              key_len: int, tp_size: int = 1, attn_implementation: str = "sdpa",
-                             logits_to_keep: int = 1, head: bool = True) -> int:
+                             logits_to_keep: int = 1, head: bool = True, gptq_kernel: str = "cuda_old") -> int:
     """Peak live activations of one no-grad forward over `query_len` new tokens attending to `key_len`
     (the largest of the attention, MLP and head phases, plus the quantized matmul's temporary):
     - each phase keeps the residual stream and its normed copy: 2 x batch x q x hidden;
@@ -131,7 +149,10 @@ def forward_activation_bytes(spec: InferenceSpec, precision: str, batch_size: in
       when the row count exceeds its kernel's limit (backends/cuda/ops.py gemm_4bit,
       _dequant_linear_fallback): one 16-bit copy of the largest weight shard;
     - int8: MatMul8bitLt quantizes the input to int8 plus fp32 row scales and int8_scaled_mm makes an
-      int32 product before dequantizing (autograd/_functions.py, backends/default/ops.py)."""
+      int32 product before dequantizing (autograd/_functions.py, backends/default/ops.py);
+    - GPTQ: cuda_old as launcher/gptq.py; exllama writes its fp16 output only, dequantizing a large
+      input's weight into its preallocated buffer (auto_gptq v0.4.2 nn_modules/qlinear/qlinear_exllama.py
+      ext_q4_matmul; the buffer is in weight_bytes)."""
     if attn_implementation not in ATTN_IMPLEMENTATIONS:
         raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}")
     tokens = batch_size * query_len
@@ -147,7 +168,8 @@ def forward_activation_bytes(spec: InferenceSpec, precision: str, batch_size: in
     mlp = (3 if spec.gated_mlp else 2) * tokens * -(-spec.intermediate_size // tp_size) * v
     kept = query_len if logits_to_keep == 0 else min(logits_to_keep, query_len)
     logits = batch_size * spec.vocab_size * (kept * v + FP32_BYTES) if head else 0
-    return max(residual + attention, residual + mlp, logits) + _matmul_temp_bytes(spec, precision, tokens, tp_size)
+    temp = 0 if gptq_kernel == "exllama" else _matmul_temp_bytes(spec, precision, tokens, tp_size)
+    return max(residual + attention, residual + mlp, logits) + temp
 
 
 def _matmul_temp_bytes(spec: InferenceSpec, precision: str, tokens: int, tp_size: int) -> int:
@@ -167,50 +189,119 @@ def _matmul_temp_bytes(spec: InferenceSpec, precision: str, tokens: int, tp_size
 
 def estimate_inference(spec: InferenceSpec, precision: str, batch_size: int, prompt_len: int, gen_len: int,
                        tp_size: int = 1, attn_implementation: str = "sdpa", blocksize: int = 64,
-                       double_quant: bool = False, kv_bytes_per_value: int | None = None) -> dict:
-    """Per-GPU bytes of `generate(batch_size x prompt_len, max_new_tokens=gen_len)` with a DynamicCache.
+                       double_quant: bool = False, kv_bytes_per_value: int | None = None,
+                       kv_cache: str = "dynamic", prompt_logits: str = "last", gptq_kernel: str = "cuda_old") -> dict:
+    """Per-GPU bytes of `generate(batch_size x prompt_len, max_new_tokens=gen_len)`.
 
-    peak = weights + max(prefill, last decode step), where
-    prefill = KV cache of the prompt + forward_activation_bytes(q=prompt_len, k=prompt_len);
-    last decode = full KV cache (prompt + gen) + forward_activation_bytes(q=1, k=prompt+gen) + one layer's
-    K (or V) being re-allocated: DynamicLayer.update grows the cache with torch.cat, so old and new
-    tensors are both alive (transformers/cache_utils.py)."""
+    peak = weights + the largest phase of `_generate_phases`: the prompt's forward (prefill), or a
+    decode step's forward with the cache it builds, what generate still holds from the step before
+    and the forward's activations (forward_activation_bytes at q=1)."""
     total_tokens = prompt_len + gen_len
-    kv_bytes_per_value = kv_bytes_per_value or value_bytes(precision)  # DynamicCache keeps the model's dtype
-    weights = weight_bytes(spec, precision, tp_size, blocksize, double_quant)
+    kv_bytes_per_value = kv_bytes_per_value or value_bytes(precision)  # the cache keeps the model's dtype
+    weights = weight_bytes(spec, precision, tp_size, blocksize, double_quant, gptq_kernel)
+    keep = 0 if prompt_logits == "all" else 1
     prefill_act = forward_activation_bytes(spec, precision, batch_size, prompt_len, prompt_len, tp_size,
-                                           attn_implementation)
+                                           attn_implementation, logits_to_keep=keep, gptq_kernel=gptq_kernel)
     decode_act = forward_activation_bytes(spec, precision, batch_size, 1, total_tokens, tp_size,
-                                          attn_implementation)
-    kv_full, prefill, decode, cat_transient = _generate_phases(
-        spec, spec.num_layers, batch_size, prompt_len, total_tokens, tp_size, kv_bytes_per_value, prefill_act, decode_act)
+                                          attn_implementation, gptq_kernel=gptq_kernel)
+    phase = _generate_phases(spec, spec.num_layers, batch_size, prompt_len, total_tokens, tp_size, kv_bytes_per_value,
+                             prefill_act, decode_act, kv_cache, _prompt_logits_bytes(spec, precision, batch_size,
+                                                                                    prompt_len, prompt_logits))
     return {
         "precision": precision,
         "tp_size": tp_size,
         "weight_bytes": weights["total_bytes"],
         "weight_breakdown": weights,
-        "kv_cache_bytes": kv_full,
+        "kv_cache_bytes": phase.kv,
         "kv_cache_bytes_per_token": kv_cache_bytes(spec, 1, 1, tp_size, kv_bytes_per_value),
+        "held_bytes": phase.held,
         "prefill_activation_bytes": prefill_act,
-        "decode_activation_bytes": decode_act + cat_transient,
-        "peak_phase": "prefill" if prefill >= decode else "decode",
-        "peak_bytes": weights["total_bytes"] + max(prefill, decode),
+        "decode_activation_bytes": decode_act + phase.cat_transient,
+        "peak_phase": phase.name,
+        "peak_bytes": weights["total_bytes"] + phase.peak,
     }
 
 
+def _prompt_logits_bytes(spec: InferenceSpec, precision: str, batch_size: int, prompt_len: int,
+                         prompt_logits: str) -> int:
+    """The prompt's 16-bit logits over every position (prompt_logits=all): generate's loop binds the
+    forward's output to `outputs` and rebinds it only when the next forward returns, so they are alive
+    through the first decode step (transformers 4.3x generation/utils.py greedy_search/sample:
+    `outputs = self(**model_inputs, ...)` at the top of the loop)."""
+    if prompt_logits not in PROMPT_LOGITS:
+        raise ValueError(f"prompt_logits must be one of {PROMPT_LOGITS}, got {prompt_logits!r}")
+    return batch_size * prompt_len * spec.vocab_size * value_bytes(precision) if prompt_logits == "all" else 0
+
+
+@dataclass(frozen=True)
+class Phase:
+    """The peak phase of one GPU's share of generate: its name, the KV cache the model holds or
+    builds then, what generate still holds besides it (the previous step's tuple, the prompt's
+    logits), DynamicCache's torch.cat transient, and the peak tensor bytes above the weights."""
+    name: str
+    kv: int
+    held: int
+    cat_transient: int
+    peak: int
+
+
 def _generate_phases(spec: InferenceSpec, layers: int, batch_size: int, prompt_len: int, total_tokens: int,
-                     tp_size: int, kv_bytes_per_value: int, prefill_act: int, decode_act: int) -> tuple:
-    """(KV cache of `layers` layers after the last token, prefill peak, last decode step peak, the
-    cache's torch.cat transient) of one GPU's share of `generate`, the phases of estimate_inference."""
+                     tp_size: int, kv_bytes_per_value: int, prefill_act: int, decode_act: int,
+                     kv_cache: str = "dynamic", prompt_logits_bytes: int = 0) -> Phase:
+    """The peak phase of `layers` layers of generate on one GPU (see Phase), by cache kind:
+
+    - dynamic (transformers' DynamicCache): prefill = KV cache of the prompt + prefill activations;
+      last decode = full KV cache (prompt + gen) + decode activations + one layer's K (or V) being
+      re-allocated: DynamicLayer.update grows the cache with torch.cat, so old and new tensors of that
+      layer are both alive (transformers/cache_utils.py).
+    - tuple: each layer returns a new (key, value) made by torch.cat(past, new) and generate keeps the
+      previous step's tuple in `model_kwargs["past_key_values"]` until the forward returns
+      (transformers 4.35 models/llama/modeling_llama.py LlamaAttention.forward
+      `key_states = torch.cat([past_key_value[0], key_states], dim=2)`, `past_key_value = (key_states,
+      value_states)`; generation/utils.py `_update_model_kwargs_for_generation` after the forward), so a
+      decode step over n cached tokens holds the old cache (n) and the new one (n + 1). The first
+      decode step also holds the prompt's logits when the head computed all of them. With gen_len
+      tokens there are gen_len - 1 decode forwards (the last token is sampled, never fed back).
+    - tuple_fused_qkv: as tuple, but the prompt's cache entries are views of a fused q|k|v projection
+      output, so each layer's prompt cache keeps that whole output (q, k and v) alive, plus the key's
+      own copy when rotary positions make a new tensor of it (Qwen's modeling_qwen.py
+      QWenAttention.forward: `query, key, value = mixed_x_layer.split(...)`, `_split_heads` a view,
+      `key = apply_rotary_pos_emb(key, ...)`, `present = (key, value)`). Decode steps cat into new
+      tensors, as tuple."""
+    if kv_cache not in KV_CACHES:
+        raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {kv_cache!r}")
     per_token = kv_cache_bytes(spec, batch_size, 1, tp_size, kv_bytes_per_value) // spec.num_layers  # one layer
-    kv_full = layers * per_token * total_tokens
-    cat_transient = per_token * total_tokens // 2 if layers else 0  # one layer's K (or V)
-    return (kv_full, layers * per_token * prompt_len + prefill_act, kv_full + decode_act + cat_transient,
-            cat_transient)
+    if kv_cache == "dynamic":
+        kv_full = layers * per_token * total_tokens
+        cat_transient = per_token * total_tokens // 2 if layers else 0  # one layer's K (or V)
+        prefill = layers * per_token * prompt_len + prefill_act
+        decode = kv_full + decode_act + cat_transient
+        if prefill >= decode:
+            return Phase("prefill", kv_full, 0, cat_transient, prefill)
+        return Phase("decode", kv_full, 0, cat_transient, decode)
+    prompt_token = per_token
+    if kv_cache == "tuple_fused_qkv":
+        kv_heads = kv_heads_per_gpu(spec.num_key_value_heads, tp_size)
+        heads = max(1, spec.num_attention_heads // tp_size)
+        fused = (heads + 2 * kv_heads) * spec.head_dim
+        rotated_key = kv_heads * spec.head_dim if spec.rotary_keys else 0
+        prompt_token = batch_size * (fused + rotated_key) * kv_bytes_per_value
+    prompt_cache = layers * prompt_token * prompt_len
+    phases = [Phase("prefill", prompt_cache, 0, 0, prompt_cache + prefill_act)]
+    steps = total_tokens - prompt_len - 1  # decode forwards
+    if steps >= 1:  # the first: the prompt's cache (and logits) held, the cache of prompt + 1 built
+        new = layers * per_token * (prompt_len + 1)
+        held = prompt_cache + prompt_logits_bytes
+        phases.append(Phase("decode", new, held, 0, new + held + decode_act))
+    if steps >= 2:  # the last: the cache of total - 2 tokens held, that of total - 1 built
+        new, held = layers * per_token * (total_tokens - 1), layers * per_token * (total_tokens - 2)
+        phases.append(Phase("decode", new, held, 0, new + held + decode_act))
+    return max(phases, key=lambda p: p.peak)
 
 
 def estimate_placed(spec: InferenceSpec, placement, precision: str, batch_size: int, prompt_len: int,
-                    gen_len: int, attn_implementation: str = "sdpa") -> dict:
+                    gen_len: int, attn_implementation: str = "sdpa", kv_cache: str = "dynamic",
+                    prompt_logits: str = "last") -> dict:
     """Per-GPU bytes of `generate` on a model split by a device map (launcher/device_map.py
     `Placement`): each GPU holds the weights placed on it and the KV cache of the layers that run on
     it (DynamicCache keeps each layer's keys and values on that layer's device: cache_utils.py
@@ -226,17 +317,20 @@ def estimate_placed(spec: InferenceSpec, placement, precision: str, batch_size: 
         layers = placement.layers_run(gpu)
         head = gpu == placement.head_gpu
         runs = layers > 0 or head
-        act = {q: forward_activation_bytes(spec, precision, batch_size, q, k, 1, attn_implementation, head=head)
+        keep = {prompt_len: 0 if prompt_logits == "all" else 1, 1: 1}
+        act = {q: forward_activation_bytes(spec, precision, batch_size, q, k, 1, attn_implementation,
+                                           logits_to_keep=keep[q], head=head)
                if runs else 0 for q, k in ((prompt_len, prompt_len), (1, total_tokens))}
-        kv_full, prefill, decode, _ = _generate_phases(spec, layers, batch_size, prompt_len, total_tokens, 1,
-                                                       value_bytes(precision), act[prompt_len], act[1])
+        logits = _prompt_logits_bytes(spec, precision, batch_size, prompt_len, prompt_logits) if head else 0
+        phase = _generate_phases(spec, layers, batch_size, prompt_len, total_tokens, 1, value_bytes(precision),
+                                 act[prompt_len], act[1], kv_cache, logits)
         weights = placement.weight_bytes.get(gpu, 0)
         transient = placement.offload_transient_bytes if gpu == placement.main_gpu else 0
         out[gpu] = {"weight_bytes": weights, "layers": placement.layers.get(gpu, 0), "layers_run": layers,
-                    "kv_cache_bytes": kv_full,
+                    "kv_cache_bytes": phase.kv, "held_bytes": phase.held,
                     "activation_bytes": max(act.values()), "offload_transient_bytes": transient,
-                    "peak_phase": "prefill" if prefill >= decode else "decode",
-                    "peak_bytes": weights + transient + max(prefill, decode)}
+                    "peak_phase": phase.name,
+                    "peak_bytes": weights + transient + phase.peak}
     return out
 
 
@@ -285,10 +379,11 @@ def inference_spec_from_hf_config(hf_config: dict, model=None) -> InferenceSpec:
             shapes.append(shape)
         else:
             counts["other"] += p.numel()
-    return _spec_numbers(cfg, shapes, counts)
+    rotary = any("rotary" in type(m).__name__.lower() for m in model.modules())
+    return _spec_numbers(cfg, shapes, counts, rotary)
 
 
-def _spec_numbers(cfg, shapes: list, counts: dict) -> InferenceSpec:
+def _spec_numbers(cfg, shapes: list, counts: dict, rotary: bool = True) -> InferenceSpec:
     def get(*names, default=None):
         return next((getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None), default)
 
@@ -306,6 +401,6 @@ def _spec_numbers(cfg, shapes: list, counts: dict) -> InferenceSpec:
         head_dim=int(get("head_dim", default=hidden // heads)), intermediate_size=intermediate,
         vocab_size=int(cfg.vocab_size), embedding_params=counts["embedding"], head_params=counts["head"],
         linear_weight_shapes=tuple(shapes), other_params=counts["other"],
-        gated_mlp=num_intermediate_outputs >= 2 * num_layers,
+        gated_mlp=num_intermediate_outputs >= 2 * num_layers, rotary_keys=rotary,
     )
 

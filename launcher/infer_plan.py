@@ -3,7 +3,9 @@
 forward), split over `inference.tp_size` GPUs. The arithmetic is launcher/infer.py; this module
 validates the request, adds the GPU runtime terms outside tensors, and formats the report.
 
-Per GPU: peak tensor bytes = weights + max(prefill, last decode step) (infer.estimate_inference);
+Per GPU: peak tensor bytes = weights + the largest phase of generate: the prompt's forward or a decode
+step (infer.estimate_inference; `inference.kv_cache` and `inference.prompt_logits` say what the model's
+own code keeps alive);
 device total = that + CUDA context (the hardware profile's `cuda_context_bytes`) + NCCL buffers
 when tp_size > 1 (launcher/memory/runtime.py). The caching allocator's reserve above allocated is
 not included (no traced allocation sequence for generate).
@@ -46,6 +48,9 @@ def check(config, spec) -> list[str]:
                        "inference.device_map=auto, or inference.max_memory_gib=null")
         elif inf.max_memory_gib <= 0:
             out.append(f"inference.max_memory_gib={inf.max_memory_gib}: must be above 0, e.g. 20")
+    if inf.gptq_kernel.name == "exllama" and inf.precision.name != "gptq_int4":
+        out.append(f"inference.gptq_kernel=exllama is AutoGPTQ's 4-bit kernel, not for inference.precision="
+                   f"{inf.precision.name}; use inference.precision=gptq_int4 or inference.gptq_kernel=cuda_old")
     total = inf.prompt_len + inf.gen_len
     if spec.max_positions is not None and total > spec.max_positions:
         out.append(f"inference.prompt_len + gen_len = {total} is above {spec.name}'s maximum positions "
@@ -65,7 +70,9 @@ def infer_plan(config, spec) -> dict:
     try:
         est = infer.estimate_inference(ispec, inf.precision.name, inf.batch_size, inf.prompt_len,
                                        inf.gen_len, tp_size=inf.tp_size, double_quant=inf.double_quant,
-                                       attn_implementation=inf.attn_implementation.name)
+                                       attn_implementation=inf.attn_implementation.name,
+                                       kv_cache=inf.kv_cache.name, prompt_logits=inf.prompt_logits.name,
+                                       gptq_kernel=inf.gptq_kernel.name)
     except ValueError as err:
         raise ConfigError(f"inference.tp_size={inf.tp_size}: {err}") from None
     cuda = hw.device == "cuda"
@@ -76,7 +83,7 @@ def infer_plan(config, spec) -> dict:
     return {
         **_header(config, spec, ispec),
         "per_gpu": {"weight_bytes": est["weight_bytes"], "kv_cache_bytes": est["kv_cache_bytes"],
-                    "activation_bytes": activation, "peak_phase": est["peak_phase"],
+                    "held_bytes": est["held_bytes"], "activation_bytes": activation, "peak_phase": est["peak_phase"],
                     "peak_allocated_bytes": est["peak_bytes"], "runtime_bytes": outside,
                     "device_total_bytes": total},
         "kv_cache_bytes_per_token": est["kv_cache_bytes_per_token"],
@@ -86,11 +93,26 @@ def infer_plan(config, spec) -> dict:
                   "(lm_head, embeddings, norms stay in the load dtype); KV cache in the load dtype "
                   f"({infer.value_bytes(inf.precision.name) * 8} bits); {inf.attn_implementation.name} attention; "
                   "launcher/infer.py",
+                  *_cache_notes(inf),
                   "device total = peak tensor bytes + CUDA context"
                   + (" + NCCL (one process group)" if inf.tp_size > 1 else "")
                   + "; the allocator's reserve above allocated is not included",
                   *_how_sure(total, hw)],
     }
+
+
+def _cache_notes(inf) -> list[str]:
+    """What the model's own generate code keeps alive, when it is not transformers' current one."""
+    out = []
+    if inf.kv_cache.name != "dynamic":
+        out.append(f"inference.kv_cache={inf.kv_cache.name}: each forward rebuilds the (key, value) tuples "
+                   "while generate holds the previous step's"
+                   + ("; the prompt's cache keeps the fused q|k|v projection output" if inf.kv_cache.name ==
+                      "tuple_fused_qkv" else "") + " (launcher/infer.py _generate_phases)")
+    if inf.prompt_logits.name == "all":
+        out.append("inference.prompt_logits=all: the head computes every prompt position's logits, "
+                   "held through the first decode step")
+    return out
 
 
 def _bnb_tensor_bytes(precision: str, double_quant: bool):
@@ -125,7 +147,8 @@ def _header(config, spec, ispec) -> dict:
         "request": {"precision": inf.precision.name, "batch_size": inf.batch_size,
                     "prompt_len": inf.prompt_len, "gen_len": inf.gen_len, "tp_size": inf.tp_size,
                     "attn_implementation": inf.attn_implementation.name,
-                    "double_quant": inf.double_quant},
+                    "double_quant": inf.double_quant, "kv_cache": inf.kv_cache.name,
+                    "prompt_logits": inf.prompt_logits.name, "gptq_kernel": inf.gptq_kernel.name},
     }
 
 
@@ -155,13 +178,15 @@ def placed_plan(config, spec) -> dict:
     else:
         placement = device_map.place(model, inf.device_map.name, memory)
     per = infer.estimate_placed(ispec, placement, inf.precision.name, inf.batch_size, inf.prompt_len,
-                                inf.gen_len, inf.attn_implementation.name)
+                                inf.gen_len, inf.attn_implementation.name, inf.kv_cache.name,
+                                inf.prompt_logits.name)
     devices = []
     for gpu, e in per.items():
         total = e["peak_bytes"] + context
         devices.append({"device": gpu, "weight_bytes": e["weight_bytes"], "layers": e["layers"],
                         "layers_run": e["layers_run"],
-                        "kv_cache_bytes": e["kv_cache_bytes"], "activation_bytes": e["activation_bytes"],
+                        "kv_cache_bytes": e["kv_cache_bytes"], "held_bytes": e["held_bytes"],
+                        "activation_bytes": e["activation_bytes"],
                         "offload_transient_bytes": e["offload_transient_bytes"], "peak_phase": e["peak_phase"],
                         "peak_allocated_bytes": e["peak_bytes"], "runtime_bytes": context,
                         "device_total_bytes": total, "fits": total <= hw.memory_bytes})
@@ -178,6 +203,7 @@ def placed_plan(config, spec) -> dict:
              "KV cache and activations on the GPU that runs each layer; offloaded layers run on GPU "
              f"{placement.main_gpu}, which also holds the largest offloaded submodule's weights while it runs",
              "device total = peak tensor bytes + CUDA context; the allocator's reserve above allocated is not included",
+             *_cache_notes(inf),
              *_how_sure(worst["device_total_bytes"], hw)]
     if offload["disk_bytes"]:
         notes.append("weights offloaded to disk: from_pretrained needs offload_folder=...")
@@ -185,7 +211,7 @@ def placed_plan(config, spec) -> dict:
     header["request"].update(device_map=inf.device_map.name, max_memory_gib=inf.max_memory_gib, gpus=config.gpus)
     return {
         **header,
-        "per_gpu": {k: worst[k] for k in ("weight_bytes", "kv_cache_bytes", "activation_bytes", "peak_phase",
+        "per_gpu": {k: worst[k] for k in ("weight_bytes", "kv_cache_bytes", "held_bytes", "activation_bytes", "peak_phase",
                                           "peak_allocated_bytes", "runtime_bytes", "device_total_bytes")},
         "devices": devices,
         "offload": offload,
@@ -204,6 +230,8 @@ def format_report(r: dict) -> str:
              f"  weights          {gib(g['weight_bytes'])}",
              f"  KV cache         {gib(g['kv_cache_bytes'])}  ({r['kv_cache_bytes_per_token']:,} B per token, "
              f"{r['model']['num_key_value_heads']} KV heads)",
+             *([f"  held by generate {gib(g['held_bytes'])}  (the previous step's cache"
+                 + (" and the prompt's logits)" if q["prompt_logits"] == "all" else ")")] if g["held_bytes"] else []),
              f"  activations      {gib(g['activation_bytes'])}  (largest forward; peak in {g['peak_phase']})",
              f"  peak allocated   {gib(g['peak_allocated_bytes'])}",
              f"  runtime          {gib(g['runtime_bytes'])}",
@@ -221,13 +249,15 @@ def _served(r: dict) -> str:
 
 def _format_placed(r: dict, gib) -> str:
     q, o = r["request"], r["offload"]
+    held = any(d["held_bytes"] for d in r["devices"])  # a column only where generate holds a previous cache
     lines = [f"{_served(r)}device_map={q['device_map']} over {q['gpus']} x {r['hardware']} "
              f"({r['memory_bytes'] / GIB:.2f} GiB each):",
-             f"  {'GPU':>4} {'layers':>6} {'weights':>12} {'KV cache':>12} {'activations':>12} {'offload copy':>12} "
-             f"{'peak alloc':>12} {'device total':>12}"]
+             f"  {'GPU':>4} {'layers':>6} {'weights':>12} {'KV cache':>12} " + (f"{'held':>12} " if held else "")
+             + f"{'activations':>12} {'offload copy':>12} {'peak alloc':>12} {'device total':>12}"]
     for d in r["devices"]:
         lines.append(f"  {d['device']:>4} {d['layers']:>6} {gib(d['weight_bytes'])} {gib(d['kv_cache_bytes'])} "
-                     f"{gib(d['activation_bytes'])} {gib(d['offload_transient_bytes'])} "
+                     + (f"{gib(d['held_bytes'])} " if held else "")
+                     + f"{gib(d['activation_bytes'])} {gib(d['offload_transient_bytes'])} "
                      f"{gib(d['peak_allocated_bytes'])} {gib(d['device_total_bytes'])}  "
                      + ("fits" if d["fits"] else "does NOT fit"))
     lines.append(f"  offloaded to the CPU: {gib(o['cpu_bytes']).strip()} (limit {o['cpu_limit_bytes'] / GIB:.2f} GiB)"

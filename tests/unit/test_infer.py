@@ -172,3 +172,92 @@ def test_kv_cache_matches_dynamic_cache_after_generate(tiny_llama_dir, precision
     # The last generated token is sampled but never fed back, so the cache holds prompt + gen - 1 tokens.
     assert cache_bytes == infer.kv_cache_bytes(spec, batch_size, prompt_len + gen_len - 1,
                                                bytes_per_value=infer.value_bytes(precision))
+
+
+def _storage_bytes(*trees) -> int:
+    """Bytes of the distinct storages behind every tensor of nested tuples (views share one)."""
+    seen = {}
+    stack = list(trees)
+    while stack:
+        x = stack.pop()
+        if isinstance(x, tuple):
+            stack.extend(x)
+        else:
+            seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _qwen_prompt_presents(layers, batch, prompt_len, heads, kv_heads, head_dim, fused):
+    """Per-layer (key, value) of a prompt's forward as Qwen's modeling_qwen.py QWenAttention.forward
+    makes them: one fused c_attn output split into views, the key rotated into a new tensor, the value
+    kept as the view (fused=False: a separate value projection, as Llama's v_proj)."""
+    out = []
+    for _ in range(layers):
+        q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+        if fused:
+            mixed = torch.ones(batch, prompt_len, q_dim + 2 * kv_dim, dtype=torch.bfloat16)
+            _, key, value = mixed.split([q_dim, kv_dim, kv_dim], dim=2)
+        else:
+            key = torch.ones(batch, prompt_len, kv_dim, dtype=torch.bfloat16)
+            value = torch.ones(batch, prompt_len, kv_dim, dtype=torch.bfloat16)
+        key = key.view(batch, prompt_len, kv_heads, head_dim) * 2  # rotary: a new tensor
+        out.append((key, value.view(batch, prompt_len, kv_heads, head_dim)))
+    return tuple(out)
+
+
+@pytest.mark.parametrize("kv_cache", ["tuple", "tuple_fused_qkv"])
+def test_tuple_caches_hold_what_the_prompt_forward_and_decode_steps_keep_alive(kv_cache):
+    """A tuple cache's peaks against the storages a Qwen-style forward and generate loop really keep:
+    the prompt's presents (views of the fused projection keep all of it), then each decode step's new
+    tuple made by torch.cat while the previous step's is still held; gen_len - 1 decode forwards."""
+    layers, batch, prompt_len, gen_len, heads, kv_heads, head_dim = 3, 2, 7, 4, 4, 2, 8
+    spec = _spec(layers, heads, kv_heads, head_dim, hidden=heads * head_dim, intermediate=64, vocab=50)
+    fused = kv_cache == "tuple_fused_qkv"
+    past = _qwen_prompt_presents(layers, batch, prompt_len, heads, kv_heads, head_dim, fused)
+    prefill = infer._generate_phases(spec, layers, batch, prompt_len, prompt_len + 1, 1, 2, 0, 0, kv_cache)
+    assert prefill.name == "prefill" and prefill.kv == _storage_bytes(past)
+
+    peak = 0
+    for _ in range(gen_len - 1):
+        step = torch.ones(batch, 1, kv_heads, head_dim, dtype=torch.bfloat16)
+        new = tuple((torch.cat((k, step), dim=1), torch.cat((v, step), dim=1)) for k, v in past)
+        peak = max(peak, _storage_bytes(past, new))  # generate rebinds its past only after the forward
+        past = new
+    phase = infer._generate_phases(spec, layers, batch, prompt_len, prompt_len + gen_len, 1, 2, 0, 0, kv_cache)
+    assert phase.kv + phase.held == phase.peak == max(peak, prefill.peak)
+    assert _storage_bytes(past) == infer.kv_cache_bytes(spec, batch, prompt_len + gen_len - 1)
+    if fused:  # the prompt's fused cache is larger than keys and values
+        assert prefill.kv > infer.kv_cache_bytes(spec, batch, prompt_len)
+
+
+def test_prompt_logits_all_are_held_through_the_first_decode_step():
+    spec = _spec(8, 4, 4, 8, hidden=32, intermediate=64, vocab=1000)
+    last = infer.estimate_inference(spec, "bf16", 1, 512, 2, kv_cache="tuple", prompt_logits="last")
+    every = infer.estimate_inference(spec, "bf16", 1, 512, 2, kv_cache="tuple", prompt_logits="all")
+    assert last["peak_phase"] == every["peak_phase"] == "decode"
+    assert last["held_bytes"] == infer.kv_cache_bytes(spec, 1, 512)  # the prompt's tuple
+    assert every["held_bytes"] - last["held_bytes"] == 512 * 1000 * 2  # and its [1, 512, vocab] 16-bit logits
+    assert every["prefill_activation_bytes"] >= 512 * 1000 * 2
+
+
+def test_exllama_buffer_is_autogptqs_temp_dq_of_the_largest_quantized_weight():
+    """auto_gptq v0.4.2 autogptq_post_init: temp_dq = fp16 [1, max qweight.numel() * 8] per device,
+    temp_state fp16 [1, 1] without act-order; qweight as launcher/gptq.py's stand-in lays it out."""
+    from launcher import gptq
+
+    linears = [torch.nn.Linear(256, 768, bias=False), torch.nn.Linear(512, 128, bias=False)]
+    gptq.gptq_stand_in(linears, bits=4, group_size=128)
+    temp_dq = max(m.qweight.numel() for m in linears) * 8 * 2
+    spec = infer.InferenceSpec(num_layers=1, hidden_size=256, num_attention_heads=4, num_key_value_heads=4,
+                               head_dim=64, intermediate_size=512, vocab_size=100, embedding_params=0,
+                               head_params=0, linear_weight_shapes=((768, 256), (128, 512)), other_params=0,
+                               gated_mlp=False)
+    assert infer.gptq_buffer_bytes(spec, "gptq_int4", "exllama") == temp_dq + 2
+    with_buffer = infer.weight_bytes(spec, "gptq_int4", gptq_kernel="exllama")
+    assert with_buffer["total_bytes"] - infer.weight_bytes(spec, "gptq_int4")["total_bytes"] == temp_dq + 2
+    assert infer.gptq_buffer_bytes(spec, "gptq_int8", "exllama") == 0  # the exllama kernel is 4-bit only
+
+
+def test_rotary_keys_are_read_from_the_model(starcoder_spec):
+    assert infer.inference_spec_from_hf_config(TINY_LLAMA).rotary_keys  # LlamaRotaryEmbedding
+    assert not starcoder_spec.rotary_keys  # learned positions: the key stays a view of c_attn

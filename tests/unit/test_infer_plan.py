@@ -193,3 +193,15 @@ def test_device_map_bad_input_names_the_key(overrides, key):
     with pytest.raises(ConfigError) as err:
         _plan_in_process("model=opt-1.3b", "gpus=2", *overrides)
     assert key in str(err.value)
+
+
+def test_the_exllama_kernel_is_refused_for_8_bit_gptq():
+    from launcher.app import model_spec
+    from launcher.cli import compose
+    from launcher.infer_plan import check
+
+    config = compose(["model=qwen-7b", "mode=infer_plan", "inference.precision=gptq_int8",
+                      "inference.gptq_kernel=exllama"])
+    problems = check(config, model_spec(config))
+    assert problems == ["inference.gptq_kernel=exllama is AutoGPTQ's 4-bit kernel, not for inference.precision="
+                        "gptq_int8; use inference.precision=gptq_int4 or inference.gptq_kernel=cuda_old"]
