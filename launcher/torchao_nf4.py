@@ -24,9 +24,11 @@ Model build and load (torchtune's single-device recipes; replayed by
 launcher/memory/torchao_build.py), all on the GPU:
 1. `LoRALinear(quantize_base=True)` creates an `nn.Linear` in bf16 and keeps `to_nf4(weight)`;
    the bf16 weight is freed. Only the Linears that get adapters are NF4; the rest stay bf16.
-2. `TransformerDecoder` holds `copy.deepcopy(layer)` per layer (`_get_clones`); cloning an
-   NF4Tensor is `to_nf4(get_original_weight())` (torchtune's `clone` dispatch). The prototype
-   layer is freed after the model is built.
+2. The builder makes one prototype layer, then the token embedding, the output projection and
+   the final norm (models/llama2/_component_builders.py lora_llama2), and `TransformerDecoder`
+   holds `copy.deepcopy(layer)` per layer (`_get_clones`); cloning an NF4Tensor is
+   `to_nf4(get_original_weight())` (torchtune's `clone` dispatch). The prototype layer is freed
+   after the model is built.
 3. `load_state_dict`: each NF4 weight's `copy_` is `to_nf4(src.to(device))` (the checkpoint's
    16-bit tensor moved to the GPU) and the new inner tensors replace the old ones.
 `to_nf4` runs under `torch.no_grad()` (`from_tensor` is decorated). Its nearest-value search
@@ -95,17 +97,24 @@ def _block_absmax(flat, block: int):
 
 
 def original_weight(data, scalers, factor, mean, nf4, shape):
-    """`NF4Tensor.get_original_weight` (torchao 0.1): the bf16 weight of `shape`."""
+    """`NF4Tensor.get_original_weight` (torchao 0.1): the bf16 weight of `shape`. Its locals, as
+    torchao binds them, stay alive until the final stack: both nibbles widened to int64, their
+    looked-up and scaled halves and the scalers (nf4tensor.py @ff2889540 get_original_weight,
+    dequantize_scalers, dequantize = `nf4[value]`)."""
     import torch
 
-    first = nf4[(data >> 4).to(torch.long)]
-    second = nf4[(data & 0b1111).to(torch.long)]
+    first_elements = (data >> 4).to(torch.long)
+    second_elements = (data & 0b1111).to(torch.long)
+    dequantized_first = nf4[first_elements]
+    dequantized_second = nf4[second_elements]
     n_sb = scalers.numel() // SCALER_BLOCK
-    s = (scalers.view(n_sb, SCALER_BLOCK) / factor.unsqueeze(-1)).flatten().to(torch.bfloat16) + mean
-    rep = s.unsqueeze(-1).expand(s.size(0), BLOCK // 2)
-    first = (first * rep.flatten()).unsqueeze(-1).transpose(0, 1)
-    second = (second * rep.flatten()).unsqueeze(-1).transpose(0, 1)
-    return torch.stack([first, second], dim=-1).reshape(shape)
+    scalers = (scalers.view(n_sb, SCALER_BLOCK) / factor.unsqueeze(-1)).flatten().to(torch.bfloat16) + mean
+    repeated = scalers.unsqueeze(-1).expand(scalers.size(0), BLOCK // 2)
+    scaled_first = dequantized_first * repeated.flatten()
+    scaled_second = dequantized_second * repeated.flatten()
+    scaled_first = scaled_first.unsqueeze(-1).transpose(0, 1)
+    scaled_second = scaled_second.unsqueeze(-1).transpose(0, 1)
+    return torch.stack([scaled_first, scaled_second], dim=-1).reshape(shape)
 
 
 @functools.lru_cache(maxsize=1)

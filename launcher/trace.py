@@ -833,7 +833,7 @@ def at_micro_batch(ta: StepTrace, tb: StepTrace, micro_batch_size: int) -> StepT
 
 # ----------------------------------------------------------------------------- cache
 
-_FORMAT_VERSION = 13  # the tracer's version: bump when the trace's content or file layout changes
+_FORMAT_VERSION = 14  # the tracer's version: bump when the trace's content or file layout changes
 _MEMO: dict[str, StepTrace] = {}
 _ROW_FIELDS = ("nbytes", "alloc", "free", "kind", "ready", "param", "itemsize", "op_class", "owner",
                "buffer_layer")

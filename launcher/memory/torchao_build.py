@@ -64,7 +64,10 @@ def build_load_events(layer_numels: list[int], num_layers: int, other_layer_byte
     """(time, op, key, nbytes) of building and loading the model the torchtune way (module
     docstring, steps 1-3), at full depth, for `allocator.replay`. `layer_numels`: the NF4 weights
     of one decoder layer in build order; `other_layer_bytes`: the layer's other parameters
-    (adapters, norms); `embedding_bytes` / `head_bytes`: built before / after the layers."""
+    (adapters, norms); `embedding_bytes` / `head_bytes`: the token embedding / the output
+    projection and final norm, built after the prototype layer and before its copies (torchtune
+    @fef3ed10 models/llama2/_component_builders.py lora_llama2: `layer`, `tok_embeddings`,
+    `output_proj`, then `TransformerDecoder(..., norm=RMSNorm(...))`, which clones the layer)."""
     events: list[tuple] = []
     clock, keys = itertools.count(), itertools.count()
 
@@ -85,13 +88,14 @@ def build_load_events(layer_numels: list[int], num_layers: int, other_layer_byte
             events.append((next(clock), op, ids[i], rows[i][2] if op > 0 else 0))
         return [ids[i] for i in kept]
 
-    alloc(embedding_bytes)
     proto = []
     for n in layer_numels:  # 1. nn.Linear in bf16, to_nf4, the bf16 weight freed
         w = alloc(2 * n)
         proto += play(quantize_rows(n, chunk, False))
         free(w)
     proto.append(alloc(other_layer_bytes))
+    alloc(embedding_bytes)
+    alloc(head_bytes)
     layers = []
     for _ in range(num_layers):  # 2. copy.deepcopy(layer): to_nf4(get_original_weight())
         inner = []
@@ -103,7 +107,6 @@ def build_load_events(layer_numels: list[int], num_layers: int, other_layer_byte
         alloc(other_layer_bytes)
     for k in proto:
         free(k)
-    alloc(head_bytes)
     for inner in layers:  # 3. load_state_dict: to_nf4(src.to(device)), the old inner tensors freed
         for j, n in enumerate(layer_numels):
             src = alloc(2 * n)
