@@ -231,7 +231,8 @@ def format_report(r: dict) -> str:
              f"  KV cache         {gib(g['kv_cache_bytes'])}  ({r['kv_cache_bytes_per_token']:,} B per token, "
              f"{r['model']['num_key_value_heads']} KV heads)",
              *([f"  held by generate {gib(g['held_bytes'])}  (the previous step's cache"
-                 + (" and the prompt's logits)" if q["prompt_logits"] == "all" else ")")] if g["held_bytes"] else []),
+                 + ("; at the first decode step also the prompt's logits)" if q["prompt_logits"] == "all" else ")")]
+               if g["held_bytes"] else []),
              f"  activations      {gib(g['activation_bytes'])}  (largest forward; peak in {g['peak_phase']})",
              f"  peak allocated   {gib(g['peak_allocated_bytes'])}",
              f"  runtime          {gib(g['runtime_bytes'])}",
