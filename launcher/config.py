@@ -350,8 +350,9 @@ class InferenceConfig:
 
     precision: InferPrecision = InferPrecision["bf16"]  # type: ignore[valid-type]
     batch_size: int = 1
-    prompt_len: int = 1024
-    """Prompt tokens per sequence."""
+    prompt_len: Optional[int] = None
+    """Prompt tokens per sequence. null: 1024, or the model's maximum positions minus gen_len when
+    that is shorter (gpt2: 1024 - 256 = 768), so the default request fits every catalogue model."""
     gen_len: int = 256
     """Generated tokens per sequence (max_new_tokens)."""
     tp_size: int = 1

@@ -16,6 +16,8 @@ With `inference.device_map`, transformers' device map splits the layers over the
 """
 from __future__ import annotations
 
+import dataclasses
+
 from launcher.errors import ConfigError
 from launcher import device_map, infer, margin, quant
 from launcher.memory import runtime
@@ -25,8 +27,29 @@ LOAD_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # devi
 BNB = ("int8", "nf4", "fp4")  # device_map: bitsandbytes loads (16-bit load dtype for what stays unquantized)
 
 
+DEFAULT_PROMPT_LEN = 1024
+
+
+def prompt_len(inf, spec) -> int:
+    """The prompt length asked (`inference.prompt_len`), or for null the default: 1024 tokens, or
+    the model's maximum positions minus `gen_len` when that is shorter (at least 1, so a `gen_len`
+    that leaves no room is reported by `check` against the positions)."""
+    if inf.prompt_len is not None:
+        return inf.prompt_len
+    if spec.max_positions is None:
+        return DEFAULT_PROMPT_LEN
+    return max(1, min(DEFAULT_PROMPT_LEN, spec.max_positions - inf.gen_len))
+
+
+def _resolved(config, spec):
+    """`config` with `inference.prompt_len` resolved (`prompt_len`)."""
+    inf = config.inference
+    return dataclasses.replace(config, inference=dataclasses.replace(inf, prompt_len=prompt_len(inf, spec)))
+
+
 def check(config, spec) -> list[str]:
     """Every problem with the `inference` section for this model, each naming the key and fix."""
+    config = _resolved(config, spec)
     inf = config.inference
     out = [f"inference.{k}={getattr(inf, k)}: must be at least 1"
            for k in ("batch_size", "prompt_len", "gen_len", "tp_size") if getattr(inf, k) < 1]
@@ -63,6 +86,16 @@ def infer_plan(config, spec) -> dict:
     problems = check(config, spec)
     if problems:
         raise ConfigError(*problems)
+    resolved = _resolved(config, spec)
+    result = _plan(resolved, spec)
+    n = resolved.inference.prompt_len
+    if config.inference.prompt_len is None and n != DEFAULT_PROMPT_LEN:
+        result["notes"].append(f"inference.prompt_len=null: {n} tokens, {spec.name}'s {spec.max_positions} "
+                               f"positions minus gen_len {resolved.inference.gen_len}")
+    return result
+
+
+def _plan(config, spec) -> dict:
     inf, hw = config.inference, config.hardware
     if inf.device_map is not None:
         return placed_plan(config, spec)

@@ -76,6 +76,32 @@ def test_a_serving_plan_does_not_check_the_training_length():
         model_spec(compose(["model=tiny-llama", "hardware=cpu", "gpus=1", "mode=plan"]))
 
 
+def test_the_default_prompt_fits_the_model():
+    """inference.prompt_len=null asks 1024 prompt tokens, or fewer when the model's positions
+    cannot hold them with gen_len: gpt2 (1024 positions) served with its defaults planned a
+    1024 + 256 token request and refused it. A prompt length that is asked is kept, and refused
+    when it does not fit."""
+    from launcher.app import model_spec
+    from launcher.cli import compose
+    from launcher.errors import ConfigError
+    from launcher.infer_plan import infer_plan
+
+    def plan(model, *more):
+        config = compose([f"model={model}", "hardware=a100-80g", "mode=infer_plan", *more])
+        return infer_plan(config, model_spec(config))
+
+    gpt2 = plan("gpt2")
+    assert (gpt2["request"]["prompt_len"], gpt2["request"]["gen_len"]) == (1024 - 256, 256)  # config.json n_positions 1024
+    assert any("inference.prompt_len=null" in n for n in gpt2["notes"])
+    assert plan("gpt2", "inference.gen_len=24")["request"]["prompt_len"] == 1000
+    assert plan("llama-2-7b")["request"]["prompt_len"] == 1024  # 4096 positions
+    assert plan("gpt2", "inference.prompt_len=500")["request"]["prompt_len"] == 500
+    with pytest.raises(ConfigError, match="inference.prompt_len \\+ gen_len = 1280"):
+        plan("gpt2", "inference.prompt_len=1024")
+    with pytest.raises(ConfigError, match="gen_len = 1025"):  # gen_len alone too long: the prompt is one token
+        plan("gpt2", "inference.gen_len=1024")
+
+
 def test_eager_attention_is_planned_when_asked():
     """inference.attn_implementation reaches the estimate: eager holds the largest forward's
     attention scores (a prompt's q x k per head), sdpa does not."""
