@@ -31,3 +31,14 @@ def tp_sizes(config, spec) -> list[int]:
 def pp_sizes(config, spec) -> list[int]:
     """Pipeline sizes > 1 that divide the GPUs and the decoder layers (equal stages)."""
     return [p for p in divisors(config.gpus) if p > 1 and spec.num_layers % p == 0]
+
+
+def no_tp_size(config, spec) -> str:
+    """Why no tensor-parallel size > 1 can be planned on this cluster, and the GPU counts per node
+    that would allow one."""
+    per_node = config.gpus // max(1, config.nodes)
+    tried = "; ".join(f"tp={t}: {why}" for t, why in tp_degrees(config, spec).items()) or "none above 1"
+    heads, kv = spec.num_attention_heads, spec.num_key_value_heads
+    valid = [t for t in range(2, 17) if not degree_problem(spec.model_type, heads, kv, t)]  # up to 16 GPUs a node
+    return (f"no tensor-parallel size fits {per_node} GPU(s) per node ({tried}); "
+            f"tp sizes valid for this model: {valid or 'none'}, so use gpus=<a multiple of one of them per node>")

@@ -7,8 +7,7 @@ from dataclasses import replace
 from launcher import trace
 from launcher.backends.colossalai.emit import num_microbatches
 from launcher.errors import ConfigError
-from launcher.parallel import divisors, pp_sizes, tp_degrees, tp_sizes
-from launcher.tp_shard import degree_problem
+from launcher.parallel import divisors, no_tp_size, pp_sizes, tp_degrees, tp_sizes
 from launcher.types import Strategy
 
 
@@ -56,17 +55,6 @@ def expand(template: Strategy, config, spec) -> list[Strategy]:
                           f"does not divide gpus={config.gpus}; use a smaller colossalai.tp_size or more GPUs, "
                           "or strategy=auto")
     return out
-
-
-def no_tp_size(config, spec) -> str:
-    """Why no tensor-parallel size > 1 can be planned on this cluster, and the GPU counts per node
-    that would allow one."""
-    per_node = config.gpus // max(1, config.nodes)
-    tried = "; ".join(f"tp={t}: {why}" for t, why in tp_degrees(config, spec).items()) or "none above 1"
-    heads, kv = spec.num_attention_heads, spec.num_key_value_heads
-    valid = [t for t in range(2, 17) if not degree_problem(spec.model_type, heads, kv, t)]  # up to 16 GPUs a node
-    return (f"no tensor-parallel size fits {per_node} GPU(s) per node ({tried}); "
-            f"tp sizes valid for this model: {valid or 'none'}, so use gpus=<a multiple of one of them per node>")
 
 
 def grad_accum(strategy: Strategy, config, accum: int) -> int:
