@@ -27,7 +27,8 @@ def test_one_gpu_names_why_colossalai_tensor_and_pipeline_parallelism_are_left_o
 def test_templates_with_a_layout_or_a_line_already_get_no_other_line():
     assert _notes("gpus=2") == []
     assert _notes("gpus=1", "strategy=ddp") == []  # asked for by name: nothing else is planned
-    noted = ["cai_tp tp=3 not planned: tp_size=3 does not divide the 4 attention heads"]
+    noted = ["cai_tp tp=3 not planned: tp_size=3 does not divide the 4 attention heads",
+             "fsdp2_tp tp=3 not planned: tp_size=3 does not divide the 4 attention heads"]  # planner.plan's lines
     assert [n.split()[0] for n in _notes("gpus=3", noted=noted)] == ["cai_pp"]
 
 
@@ -65,3 +66,28 @@ def test_a_plan_with_nothing_traced_gives_no_parameter_count():
     counted = Plan(model={"name": "gpt2", "num_params": 124_439_808, "num_trainable_params": 124_439_808},
                    hardware="cpu", gpus=2, nodes=1, candidates=(), chosen=None, notes=())
     assert title(counted, 2**30, "cpu").startswith("gpt2 (0.12B params) on 2 CPU processes")
+
+
+def test_fsdp2_tp_plans_only_degrees_the_heads_allow():
+    """BioGPT-Large has 25 heads: on 4 GPUs no tensor-parallel degree divides them. fsdp2_tp then
+    fell back to its template (tp_size=2), and the plan died in the tracer with a traceback."""
+    import pytest
+
+    from launcher.errors import ConfigError
+
+    def planned(*overrides):
+        config = compose(["model=biogpt-large", "hardware=a100-80g", *overrides])
+        return [(s.name, s.tp_size) for s in planner.strategies_for(config, model_spec(config))]
+
+    assert not [s for s in planned("gpus=4") if s[0] == "fsdp2_tp"]
+    assert ("fsdp2_tp", 5) in planned("gpus=5")
+    assert not [s for s in planned("gpus=1") if s[0] == "fsdp2_tp"]  # one GPU: no degree above 1
+    with pytest.raises(ConfigError, match=r"strategy=fsdp2_tp: .*25 attention heads.*valid for this model: \[5\]"):
+        planned("gpus=4", "strategy=fsdp2_tp")
+    with pytest.raises(ConfigError, match=r"fsdp2\.tp_size=2: tp_size=2 does not divide the 25 attention heads"):
+        planned("gpus=4", "strategy=fsdp2_tp", "fsdp2.tp_size=2")
+    with pytest.raises(ConfigError, match=r"fsdp2\.tp_size=1: "):
+        planned("gpus=4", "fsdp2.tp_size=1")
+    notes = planner.unexpanded_notes(compose(["model=biogpt-large", "hardware=a100-80g", "gpus=4"]),
+                                     model_spec(compose(["model=biogpt-large", "gpus=4"])), [])
+    assert any(n.startswith("fsdp2_tp not planned: ") for n in notes)

@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from launcher.backends.base import Ask, Rules
-from launcher.parallel import tp_sizes
+from launcher import trace
+from launcher.errors import ConfigError
+from launcher.parallel import no_tp_size, tp_degrees, tp_sizes
 from launcher.types import Strategy
 
 BACKEND = "fsdp2"
@@ -104,11 +106,28 @@ def model_dtype(precision: str) -> str:
 
 def expand(template: Strategy, config, spec) -> list[Strategy]:
     """fsdp2_tp: fsdp2.tp_size, or every valid tensor-parallel size (launcher/parallel.py `tp_sizes`);
-    the other FSDP2 strategies are their template."""
+    none when no size is valid (a model whose heads no degree of a node divides, one GPU per node, a
+    model type without a sharding rule), which is a ConfigError when fsdp2_tp is asked for by name,
+    as is an invalid fsdp2.tp_size. The other FSDP2 strategies are their template."""
     if template.name != "fsdp2_tp":
         return [template]
-    sizes = [config.fsdp2.tp_size] if config.fsdp2.tp_size else tp_sizes(config, spec)
-    return [replace(template, tp_size=t) for t in sizes] or [template]
+    traceable = trace.tp_traceable(spec.model_type)  # a sharding rule (launcher/tp_shard.py)
+    tps = tp_sizes(config, spec) if traceable else []
+    t = config.fsdp2.tp_size
+    if t is not None and t < 2:
+        raise ConfigError(f"fsdp2.tp_size={t}: fsdp2_tp splits tensors over 2 or more GPUs; use fsdp2.tp_size=null "
+                          "(every valid size) or strategy=fsdp2 for no tensor parallelism")
+    if t and t not in tps:
+        per_node = config.gpus // max(1, config.nodes)
+        why = (f"no tensor-parallel sharding rule for model type {spec.model_type}" if not traceable
+               else tp_degrees(config, spec).get(t) or f"it does not divide the {per_node} GPUs of a node")
+        raise ConfigError(f"fsdp2.tp_size={t}: {why}; valid: {tps or 'none'}")
+    sizes = [t] if t else tps
+    if not sizes and config.strategy.name == "fsdp2_tp":  # asked for by name, nothing to plan
+        why = (f"no tensor-parallel sharding rule for model type {spec.model_type} yet" if not traceable
+               else no_tp_size(config, spec))
+        raise ConfigError(f"strategy=fsdp2_tp: {why}; or strategy=auto")
+    return [replace(template, tp_size=t) for t in sizes]
 
 
 def launch_problem(strategy: Strategy, spec, env=None) -> str:
