@@ -37,8 +37,8 @@ BAD = [
     (["model=tiny-llama", "hardware=v100-16g", "training.attn_implementation=flash_attention_2"],
      "training.attn_implementation=flash_attention_2: FlashAttention-2 needs an Ampere", "attn_implementation=sdpa"),
     # found by the planner, after Hydra made the run directory, which goes again
-    (["model=tiny-llama", "gpus=3", "strategy=fsdp2_tp", "training.seq_len=64"], "strategy=fsdp2_tp: tp_size=2",
-     "gpus=<a multiple of 2>"),
+    (["model=tiny-llama", "gpus=3", "strategy=fsdp2_tp", "training.seq_len=64"],
+     "strategy=fsdp2_tp: no tensor-parallel size fits 3 GPU(s) per node", "tp sizes valid for this model: [2]"),
     (["model=tiny-llama", "hydra.run.dir=/dev/null/run"], "hydra.run.dir=/dev/null/run", "is a file"),
 ]
 
