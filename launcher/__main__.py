@@ -12,10 +12,13 @@ from omegaconf import DictConfig
 from launcher import cli
 from launcher.config import register_schema
 from launcher import app
-from launcher.errors import ConfigError
+from launcher.errors import ConfigError, SweepError
 
 
 STARTED = time.time()
+
+
+FAILED_JOBS: list[str] = []  # a sweep's jobs stopped by bad input (`_hydra_main`)
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
@@ -23,9 +26,26 @@ def _hydra_main(cfg: DictConfig) -> None:
     with cli.user_errors():
         try:
             app.main(cfg)
-        except ConfigError:
+        except ConfigError as err:
             _remove_empty_run_dir()
-            raise
+            job = _sweep_job()
+            if job is None or isinstance(err, SweepError):
+                raise
+            # one job's bad input (a model without default LoRA targets...) stops that job only:
+            # the sweep goes on, and the process exits 2 once every job has run (`main`)
+            print(f"error: {job}: {err}", file=sys.stderr)
+            FAILED_JOBS.append(job)
+
+
+def _sweep_job() -> str | None:
+    """'job N (its overrides)' when this process runs a sweep (-m), else None."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return None
+    return f"job {hc.job.num} ({' '.join(hc.overrides.task)})"
 
 
 def _remove_empty_run_dir() -> None:
@@ -76,6 +96,10 @@ def main() -> None:
 
         Hydra.compose_config = checked
     _hydra_main()
+    if FAILED_JOBS:
+        print(f"error: {len(FAILED_JOBS)} sweep job(s) stopped by bad input: "
+              + "; ".join(FAILED_JOBS), file=sys.stderr)
+        sys.exit(ConfigError.exit_code)
 
 
 if __name__ == "__main__":

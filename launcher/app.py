@@ -18,7 +18,7 @@ from launcher.calibrate import other_machine_note
 from launcher.config import LauncherConfig
 from launcher.environment import cache_dir_problem, detect
 from launcher import liger
-from launcher.errors import ConfigError
+from launcher.errors import ConfigError, SweepError
 from launcher.hardware import cluster_from, local_gpu_names
 from launcher.model import load_spec
 from launcher.progress import working
@@ -74,7 +74,7 @@ def main(cfg: DictConfig) -> None:
     if HydraConfig.get().mode == RunMode.MULTIRUN:  # a single run was checked before Hydra ran it (cli.check)
         why = cache_dir_problem(config.cache_dir) or mode_problem(config)
         if why:
-            raise ConfigError(why)
+            raise SweepError(why)
     if isinstance(config.resume, str):  # resume=<run dir>: continue that run (launcher/fallback.py)
 
         rc = fallback.resume_run(config, quiet=config.report.name == "json")

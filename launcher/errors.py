@@ -13,6 +13,11 @@ class ConfigError(Exception):
         super().__init__("; ".join(self.problems))
 
 
+class SweepError(ConfigError):
+    """Bad input that every job of a sweep meets (an unwritable cache_dir, a GPU run on a machine
+    without a GPU): it stops a sweep at its first job, where another ConfigError stops only its job."""
+
+
 def one_line(text: str) -> str:
     """A message on one line whatever the user typed: line breaks in echoed values are escaped."""
     return text.replace("\r", "\\r").replace("\n", "\\n")
