@@ -142,11 +142,13 @@ def test_a_plan_shows_no_library_notices(cli):
     r = cli("model=tiny-llama", "gpus=1", "hardware=a100-80g", "peft=qlora", "training.seq_len=64",
             "training.gradient_checkpointing=true", "training.micro_batch_size=1", "mode=plan")
     gpt2 = cli("model=gpt2", "gpus=1", "hardware=a100-80g", "strategy=single", "training.seq_len=32",
-               "training.micro_batch_size=1", "mode=plan")
-    for run in (r, gpt2):
+               "training.micro_batch_size=1", "peft=lora", "mode=plan")  # peft's fan_in_fan_out note on Conv1D
+    gemma = cli("model=gemma-2b", "gpus=1", "hardware=a100-80g", "mode=infer_plan")  # config.json's legacy gelu
+    for run in (r, gpt2, gemma):
         assert run.returncode == 0, run.stderr[-2000:]
         noise = [ln for ln in (run.stderr + run.stdout).splitlines()
-                 if "Warning" in ln or "kernels-community" in ln or "warnings.warn" in ln or "loss_type" in ln]
+                 if "Warning" in ln or "kernels-community" in ln or "warnings.warn" in ln or "loss_type" in ln
+                 or "hidden_act" in ln]
         assert noise == [], noise
 
 
