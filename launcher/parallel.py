@@ -42,3 +42,13 @@ def no_tp_size(config, spec) -> str:
     valid = [t for t in range(2, 17) if not degree_problem(spec.model_type, heads, kv, t)]  # up to 16 GPUs a node
     return (f"no tensor-parallel size fits {per_node} GPU(s) per node ({tried}); "
             f"tp sizes valid for this model: {valid or 'none'}, so use gpus=<a multiple of one of them per node>")
+
+
+def tp_size_problem(key: str, tp: int, config, spec, valid: list[int]) -> str:
+    """Why the tensor-parallel size a backend's `key` asks for (`tp`) is not one of the `valid`
+    ones (`tp_sizes`), or ''."""
+    if tp in valid:
+        return ""
+    per_node = config.gpus // max(1, config.nodes)
+    why = tp_degrees(config, spec).get(tp) or f"it does not divide the {per_node} GPUs of a node"
+    return f"{key}={tp}: {why}; valid: {valid or 'none'}"

@@ -7,7 +7,7 @@ from dataclasses import replace
 from launcher import trace
 from launcher.backends.colossalai.emit import num_microbatches
 from launcher.errors import ConfigError
-from launcher.parallel import divisors, no_tp_size, pp_sizes, tp_degrees, tp_sizes
+from launcher.parallel import divisors, no_tp_size, pp_sizes, tp_size_problem, tp_sizes
 from launcher.types import Strategy
 
 
@@ -26,9 +26,7 @@ def expand(template: Strategy, config, spec) -> list[Strategy]:
                               f"{spec.model_type} yet; use colossalai.tp_size=1 with cai_pp, or another strategy")
         tps = []
     if cai.tp_size is not None and cai.tp_size != 1 and cai.tp_size not in tps:
-        per_node = config.gpus // max(1, config.nodes)
-        why = tp_degrees(config, spec).get(cai.tp_size) or f"it does not divide the {per_node} GPUs of a node"
-        raise ConfigError(f"colossalai.tp_size={cai.tp_size}: {why}; valid: {tps or 'none'}")
+        raise ConfigError(tp_size_problem("colossalai.tp_size", cai.tp_size, config, spec, tps))
     if cai.pp_size is not None and cai.pp_size != 1 and cai.pp_size not in pps:
         raise ConfigError(f"colossalai.pp_size={cai.pp_size} must divide gpus ({config.gpus}) and the "
                           f"{spec.num_layers} layers; valid: {pps or 'none'}")

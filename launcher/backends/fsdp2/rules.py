@@ -14,7 +14,7 @@ from dataclasses import replace
 from launcher.backends.base import Ask, Rules
 from launcher import trace
 from launcher.errors import ConfigError
-from launcher.parallel import no_tp_size, tp_degrees, tp_sizes
+from launcher.parallel import no_tp_size, tp_size_problem, tp_sizes
 from launcher.types import Strategy
 
 BACKEND = "fsdp2"
@@ -117,11 +117,11 @@ def expand(template: Strategy, config, spec) -> list[Strategy]:
     if t is not None and t < 2:
         raise ConfigError(f"fsdp2.tp_size={t}: fsdp2_tp splits tensors over 2 or more GPUs; use fsdp2.tp_size=null "
                           "(every valid size) or strategy=fsdp2 for no tensor parallelism")
+    if t and not traceable:
+        raise ConfigError(f"fsdp2.tp_size={t}: no tensor-parallel sharding rule for model type {spec.model_type}; "
+                          "valid: none")
     if t and t not in tps:
-        per_node = config.gpus // max(1, config.nodes)
-        why = (f"no tensor-parallel sharding rule for model type {spec.model_type}" if not traceable
-               else tp_degrees(config, spec).get(t) or f"it does not divide the {per_node} GPUs of a node")
-        raise ConfigError(f"fsdp2.tp_size={t}: {why}; valid: {tps or 'none'}")
+        raise ConfigError(tp_size_problem("fsdp2.tp_size", t, config, spec, tps))
     sizes = [t] if t else tps
     if not sizes and config.strategy.name == "fsdp2_tp":  # asked for by name, nothing to plan
         why = (f"no tensor-parallel sharding rule for model type {spec.model_type} yet" if not traceable
