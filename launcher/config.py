@@ -311,7 +311,8 @@ class PeftConfig:
     """lora_dropout on the adapter's input."""
     target_modules: Optional[List[str]] = None
     """Module names to adapt. null = PEFT's default for the architecture
-    (peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING)."""
+    (peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING; for BioGPT, which
+    PEFT has none for, OPT's: launcher/peft.py `DEFAULT_TARGETS_PEFT_LACKS`)."""
     use_dora: bool = False
     """DoRA (Liu et al. 2024, arXiv:2402.09353; LoraConfig use_dora): adapters plus a trained
     magnitude per output row of each adapted weight; traced as peft builds it (more activations)."""

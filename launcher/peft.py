@@ -101,11 +101,22 @@ def settings_from_config(peft_config) -> Optional[LoraSettings]:
                         autocast_adapter_dtype=peft_config.autocast_adapter_dtype)
 
 
+DEFAULT_TARGETS_PEFT_LACKS = {
+    # BioGptAttention (transformers models/biogpt/modeling_biogpt.py) is OPT's and BART's attention
+    # (q_proj, k_proj, v_proj, out_proj); peft's default for those two is q_proj, v_proj
+    "biogpt": ("q_proj", "v_proj"),
+}
+"""Default LoRA targets of catalogue architectures PEFT has none for: those of PEFT's default for
+the architecture whose attention modules they share."""
+
+
 def default_target_modules(model_type: str) -> list[str]:
     """PEFT's own default LoRA targets for an architecture
-    (peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING)."""
+    (peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING), else
+    `DEFAULT_TARGETS_PEFT_LACKS`."""
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as mapping
 
+    mapping = {**{k: list(v) for k, v in DEFAULT_TARGETS_PEFT_LACKS.items()}, **mapping}
     if model_type not in mapping:
         raise ConfigError(f"PEFT has no default LoRA target modules for model_type={model_type!r}; "
                           f"set peft.target_modules, e.g. peft.target_modules=[q_proj,v_proj]")

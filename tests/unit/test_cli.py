@@ -111,18 +111,18 @@ def test_a_sweep_over_models_plans_each(cli):
 
 
 def test_a_sweep_goes_on_past_a_job_with_bad_input(cli):
-    """A job that only the planner can refuse (BioGPT has no default LoRA targets in peft) stopped
-    the whole sweep, so the models after it were never planned. It is now one line naming the job
-    and its fix; the other jobs plan, and the sweep exits 2 at its end."""
-    r = cli("-m", "model=biogpt-large,tiny-llama", "gpus=1", "peft=lora", "hardware=cpu", "training.seq_len=64",
+    """A job that only the planner can refuse (600 tokens are more than tiny-llama's 512 positions,
+    not GPT-2's 1024) stopped the whole sweep, so the models after it were never planned. It is now
+    one line naming the job and its fix; the other jobs plan, and the sweep exits 2 at its end."""
+    r = cli("-m", "model=tiny-llama,gpt2", "gpus=1", "peft=lora", "hardware=cpu", "training.seq_len=600",
             "mode=plan", "strategy=single")
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
-    (line,) = [x for x in r.stderr.splitlines() if x.startswith("error: job 0 (model=biogpt-large")]
-    assert "peft.target_modules" in line
+    (line,) = [x for x in r.stderr.splitlines() if x.startswith("error: job 0 (model=tiny-llama")]
+    assert "training.seq_len" in line
     assert "error: 1 sweep job(s) stopped by bad input: job 0" in r.stderr
     plans = sorted((cli.cwd / "runs").glob("*/*_sweep/*/plan.json"))
-    assert [json.loads(p.read_text())["model"]["name"] for p in plans] == ["tiny-llama"]
+    assert [json.loads(p.read_text())["model"]["name"] for p in plans] == ["gpt2"]
     assert [p.name for p in plans[0].parent.parent.iterdir() if p.is_dir()] == ["1"]  # job 0 left nothing
 
 

@@ -31,6 +31,23 @@ def test_lora_config_uses_peft_s_defaults_and_explicit_targets():
         lp.default_target_modules("no-such-architecture")
 
 
+def test_biogpt_lora_plans_with_opt_s_default_targets(tmp_path):
+    """PEFT has no default LoRA targets for BioGPT (one of LLMem's models), so `peft=lora` was
+    refused; it now adapts q_proj and v_proj, as PEFT does for OPT, whose attention BioGPT's is.
+    The trainable count is BioGPT-Large's own arithmetic: 48 layers x 2 projections x r x (in + out)
+    with in = out = hidden 1600, r = 8."""
+    from launcher import planner
+    from launcher.app import model_spec
+    from launcher.cli import compose
+    from launcher.hardware import cluster_from
+
+    config = compose(["model=biogpt-large", "hardware=a100-80g", "gpus=1", "strategy=single", "peft=lora",
+                      "training.seq_len=64", "training.micro_batch_size=1", f"cache_dir={tmp_path}"])
+    plan = planner.plan(config, model_spec(config), cluster_from(config.hardware, config.gpus, config.nodes))
+    chosen = plan.candidates[plan.chosen]
+    assert chosen.trains == "adapters" and chosen.num_trainable_params == 48 * 2 * 8 * (1600 + 1600)
+
+
 def test_settings_round_trip_through_run_json():
     s = lp.LoraSettings(r=16, alpha=32, dropout=0.0, target_modules=("q_proj",), quant_type="nf4")
     assert lp.LoraSettings.from_dict(s.to_dict()) == s and s.method == "qlora"
