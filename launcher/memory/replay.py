@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from launcher.environment import DEFAULT_CACHE_DIR
-from .allocator import CachingAllocator, replay
+from .allocator import CachingAllocator, replay, replay_arrays
 from .common import CATEGORIES, KIND_CATEGORY, Layout, PhasePeaks
 from .runtime import cublas_workspace_allocations
 
@@ -296,17 +296,27 @@ def allocation_events(layout: Layout, sm_arch: int, items: list[tuple] | None = 
     workspaces; the rest of the step is replayed twice, so the second step reuses the first
     step's segments as the real second step does. Storages left alive at the end of the first
     replay are freed before the second. At one time, frees come before allocations."""
+    return list(zip(*(a.tolist() for a in allocation_arrays(layout, sm_arch, items, num_events))))
+
+
+def allocation_arrays(layout: Layout, sm_arch: int, items: list[tuple] | None = None,
+                      num_events: int | None = None) -> tuple[np.ndarray, ...]:
+    """`allocation_events` as five arrays (time, op, key, nbytes, stream), for `replay_arrays`."""
     n = layout.num_events if num_events is None else num_events
     items = _items(layout) if items is None else items
+    workspaces = np.array(cublas_workspace_allocations(sm_arch), np.int64)
+    first = len(workspaces)
     if not items:
-        return _first_events(sm_arch)
+        return (np.full(first, -1), np.ones(first, np.int64), -1 - np.arange(first), workspaces,
+                np.zeros(first, np.int64))
     nbytes, persistent, key, ops, at, stream = _timeline(items, n)
-    events = _first_events(sm_arch, nbytes, persistent, stream)
-    size, st, ops = nbytes[key].tolist(), stream[key].tolist(), ops.tolist()
-    for rep in range(2):
-        keys = (key + (rep + 1) * len(items)).tolist()
-        events += list(zip((at + rep * (n + 1)).tolist(), ops, keys, size, st))
-    return events
+    first += len(persistent)
+    steps = [(at + rep * (n + 1), key + (rep + 1) * len(items)) for rep in range(2)]
+    return (np.concatenate([np.full(first, -1)] + [t for t, _ in steps]),
+            np.concatenate([np.ones(first, np.int64), ops, ops]),
+            np.concatenate([-1 - np.arange(len(workspaces)), persistent] + [k for _, k in steps]),
+            np.concatenate([workspaces, nbytes[persistent], nbytes[key], nbytes[key]]),
+            np.concatenate([np.zeros(len(workspaces), np.int64), stream[persistent], stream[key], stream[key]]))
 
 
 def _first_events(sm_arch: int, nbytes=None, persistent=(), stream=None) -> list[tuple]:
@@ -367,7 +377,7 @@ def held_cache(deeper: Layout, sm_arch: int, expandable_segments: bool = False, 
     held = memo.get(key) if key is not None else None
     if held is None:  # a remembered replay rebuilds nothing
         full = full_depth_items(shallower, deeper, num_layers) if rebuild else None
-        replayed = replay(allocation_events(deeper, sm_arch, *(full or ())), expandable_segments)
+        replayed = replay_arrays(*allocation_arrays(deeper, sm_arch, *(full or ()))[1:], expandable_segments)
         held = (replayed.peak_reserved - replayed.peak_allocated,
                 max(0, replayed.peak_needed - replayed.peak_allocated))
         if key is not None:
@@ -456,7 +466,7 @@ def varlen_replay(items_a: list[tuple], items_b: list[tuple], n: int, len_a: int
     return alloc.peak_reserved - alloc.peak_allocated, max(0, alloc.peak_needed - alloc.peak_allocated)
 
 
-_CODE = ("allocator.py", "replay.py")  # the replay's code: its text is part of every memo key
+_CODE = ("allocator.py", "replay.py", "_replay.c")  # the replay's code: its text is part of every memo key
 MEMO_FORMAT = 3  # 2: terms carry their stream; 3: (held, needed) at the real depth
 
 
