@@ -3,8 +3,9 @@
  * reference and documents every rule with its source (c10/cuda/CUDACachingAllocator.cpp);
  * tests/unit/test_native_replay.py checks that both give the same result on random event streams.
  *
- * Input: n events (op: +1 allocate `size` bytes for `key` on pool-stream `stream`, -1 free `key`),
- * keys and streams renumbered densely by the caller (0 <= key < num_keys, 0 <= stream < num_streams).
+ * Entry points: `replay` and `replay_batches`, as allocator.py's functions of the same names.
+ * Input: events (op: +1 allocate `size` bytes for `key` on stream `stream`, -1 free `key`), keys and
+ * streams renumbered densely by the caller (0 <= key < num_keys, 0 <= stream < num_streams).
  * Output: out[0..5] = peak_reserved, peak_allocated, peak_needed, reserved, allocated, segment_changes.
  * Returns 0, or -1 when memory runs out on the host. */
 #include <stdint.h>
@@ -216,27 +217,72 @@ static void free_block(Alloc *a, int64_t i) {
     insert(a, i);
 }
 
+static int start(Alloc *a, int64_t **live, int64_t num_keys, int32_t num_streams, int32_t expandable,
+                 int64_t capacity) {
+    memset(a, 0, sizeof *a);
+    a->expandable = expandable, a->capacity = capacity, a->num_pools = 2 * num_streams;
+    a->pools = calloc(a->num_pools ? a->num_pools : 1, sizeof(FreeList));
+    *live = malloc((num_keys ? num_keys : 1) * sizeof(int64_t));
+    if (!a->pools || !*live) return -1;
+    for (int p = 0; p < a->num_pools; p++) a->pools[p].head = -1;
+    for (int64_t k = 0; k < num_keys; k++) (*live)[k] = -1;
+    return 0;
+}
+
+static void event(Alloc *a, int64_t *live, int8_t op, int64_t key, int64_t size, int32_t stream) {
+    if (op > 0) {
+        live[key] = alloc_block(a, size, stream);
+    } else if (live[key] >= 0) {
+        free_block(a, live[key]);
+        live[key] = -1;
+    }
+}
+
+static int finish(Alloc *a, int64_t *live, int64_t *out) {
+    out[0] = a->peak_reserved, out[1] = a->peak_allocated, out[2] = a->peak_needed;
+    out[3] = a->reserved, out[4] = a->allocated, out[5] = a->segment_changes;
+    if (a->pools)
+        for (int p = 0; p < a->num_pools; p++) free(a->pools[p].e);
+    free(a->pools), free(a->b), free(live);
+    return a->failed ? -1 : 0;
+}
+
+/* allocator.py `replay` */
 int replay(int64_t n, const int8_t *op, const int64_t *key, const int64_t *size, const int32_t *stream,
            int64_t num_keys, int32_t num_streams, int32_t expandable, int64_t capacity, int64_t *out) {
     Alloc a;
-    memset(&a, 0, sizeof a);
-    a.expandable = expandable, a.capacity = capacity, a.num_pools = 2 * num_streams;
-    a.pools = calloc(a.num_pools ? a.num_pools : 1, sizeof(FreeList));
-    int64_t *live = malloc((num_keys ? num_keys : 1) * sizeof(int64_t));
-    if (!a.pools || !live) { free(a.pools); free(live); return -1; }
-    for (int p = 0; p < a.num_pools; p++) a.pools[p].head = -1;
-    for (int64_t k = 0; k < num_keys; k++) live[k] = -1;
-    for (int64_t j = 0; j < n && !a.failed; j++) {
-        if (op[j] > 0) {
-            live[key[j]] = alloc_block(&a, size[j], stream[j]);
-        } else if (live[key[j]] >= 0) {
-            free_block(&a, live[key[j]]);
-            live[key[j]] = -1;
-        }
+    int64_t *live = NULL;
+    if (start(&a, &live, num_keys, num_streams, expandable, capacity)) { a.failed = 1; return finish(&a, live, out); }
+    for (int64_t j = 0; j < n && !a.failed; j++) event(&a, live, op[j], key[j], size[j], stream[j]);
+    return finish(&a, live, out);
+}
+
+/* allocator.py `replay_batches`: the n0 first events, then per entry of `sequence` (an index into
+ * the rows of `sizes`, num_lengths x m) the m batch events at that row's sizes, skipping a batch
+ * whose row was replayed since the last segment change, and a batch's zero-byte allocations. */
+int replay_batches(int64_t n0, const int8_t *op0, const int64_t *key0, const int64_t *size0, const int32_t *stream0,
+                   int64_t m, const int8_t *op, const int64_t *key, const int64_t *sizes, const int32_t *stream,
+                   int64_t num_batches, const int64_t *sequence, int64_t num_lengths,
+                   int64_t num_keys, int32_t num_streams, int32_t expandable, int64_t capacity, int64_t *out) {
+    Alloc a;
+    int64_t *live = NULL;
+    int failed = start(&a, &live, num_keys, num_streams, expandable, capacity);
+    int64_t *last = malloc((num_lengths ? num_lengths : 1) * sizeof(int64_t));
+    if (failed || !last) {
+        free(last);
+        a.failed = 1;
+        return finish(&a, live, out);
     }
-    out[0] = a.peak_reserved, out[1] = a.peak_allocated, out[2] = a.peak_needed;
-    out[3] = a.reserved, out[4] = a.allocated, out[5] = a.segment_changes;
-    for (int p = 0; p < a.num_pools; p++) free(a.pools[p].e);
-    free(a.pools), free(a.b), free(live);
-    return a.failed ? -1 : 0;
+    for (int64_t j = 0; j < n0 && !a.failed; j++) event(&a, live, op0[j], key0[j], size0[j], stream0[j]);
+    for (int64_t l = 0; l < num_lengths; l++) last[l] = -1;
+    for (int64_t i = 0; i < num_batches && !a.failed; i++) {
+        int64_t row = sequence[i];
+        if (last[row] == a.segment_changes) continue; /* replayed since the last segment change */
+        last[row] = a.segment_changes;
+        const int64_t *sz = sizes + row * m;
+        for (int64_t j = 0; j < m && !a.failed; j++)
+            if (sz[j] || op[j] < 0) event(&a, live, op[j], key[j], sz[j], stream[j]);
+    }
+    free(last);
+    return finish(&a, live, out);
 }

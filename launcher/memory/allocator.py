@@ -267,42 +267,99 @@ class Replayed(NamedTuple):
     segment_changes: int
 
 
-_NATIVE: list = []  # [the compiled replay, or None], loaded once
+_NATIVE: list = []  # [the compiled library, or None], loaded once
 
 
 def native_replay():
     """The compiled replay (`_replay.c`, built with the package as the optional extension
     `launcher.memory._replay`), or None when it was not built (no C compiler at install time)."""
     if not _NATIVE:
-        fn = None
+        lib = None
         spec = importlib.util.find_spec("launcher.memory._replay")
         if spec is not None and spec.origin:
-            fn = ctypes.CDLL(spec.origin).replay
-            i64, p = ctypes.c_int64, ctypes.c_void_p
-            fn.argtypes = [i64, p, p, p, p, i64, ctypes.c_int32, ctypes.c_int32, i64, p]
-            fn.restype = ctypes.c_int
-        _NATIVE.append(fn)
+            lib = ctypes.CDLL(spec.origin)
+            i64, i32, p = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
+            tail = [i64, i32, i32, i64, p]  # keys, streams, expandable, capacity, out
+            lib.replay.argtypes = [i64, p, p, p, p] + tail
+            lib.replay_batches.argtypes = [i64, p, p, p, p, i64, p, p, p, p, i64, p, i64] + tail
+            lib.replay.restype = lib.replay_batches.restype = ctypes.c_int
+        _NATIVE.append(lib)
     return _NATIVE[0]
+
+
+def _replayed(a: CachingAllocator) -> Replayed:
+    return Replayed(a.peak_reserved, a.peak_allocated, a.peak_needed, a.reserved, a.allocated, a.segment_changes)
+
+
+def _call(fn, *args) -> Replayed:
+    out = np.zeros(6, np.int64)
+    if fn(*args, out.ctypes.data):
+        raise MemoryError("the allocator replay ran out of host memory")
+    return Replayed(*(int(x) for x in out))
+
+
+def _dense(values, dtype) -> tuple[int, np.ndarray]:
+    """(count, index of each value among the distinct values): keys and streams as 0..count-1."""
+    distinct, index = np.unique(np.asarray(values, np.int64), return_inverse=True)
+    return len(distinct), np.ascontiguousarray(index, dtype)
+
+
+def _settings(expandable_segments: bool, capacity: int | None) -> tuple[int, int]:
+    return int(expandable_segments), -1 if capacity is None else int(capacity)
 
 
 def replay_arrays(op, key, nbytes, stream, expandable_segments: bool = False,
                   capacity: int | None = None) -> Replayed:
     """`replay` of events given as arrays (op, key, nbytes, stream per event; the same rules and
     results), run by the compiled replay when it is built (`native_replay`: about 20x faster on a
-    12,000-event step), else by
-    `replay`."""
-    fn = native_replay()
-    if fn is None:
-        a = replay(zip(itertools.repeat(0), op.tolist(), key.tolist(), nbytes.tolist(), stream.tolist()),
-                   expandable_segments, capacity)
-        return Replayed(a.peak_reserved, a.peak_allocated, a.peak_needed, a.reserved, a.allocated,
-                        a.segment_changes)
-    keys, dense_key = np.unique(np.asarray(key, np.int64), return_inverse=True)
-    streams, dense_stream = np.unique(np.asarray(stream, np.int64), return_inverse=True)
-    arrays = (np.ascontiguousarray(op, np.int8), np.ascontiguousarray(dense_key, np.int64),
-              np.ascontiguousarray(nbytes, np.int64), np.ascontiguousarray(dense_stream, np.int32))
-    out = np.zeros(6, np.int64)
-    if fn(len(arrays[0]), *(a.ctypes.data for a in arrays), len(keys), len(streams), int(expandable_segments),
-          -1 if capacity is None else int(capacity), out.ctypes.data):
-        raise MemoryError("the allocator replay ran out of host memory")
-    return Replayed(*(int(x) for x in out))
+    12,000-event step), else by `replay`."""
+    lib = native_replay()
+    if lib is None:
+        return _replayed(replay(zip(itertools.repeat(0), op.tolist(), key.tolist(), nbytes.tolist(),
+                                    stream.tolist()), expandable_segments, capacity))
+    num_keys, dense_key = _dense(key, np.int64)
+    num_streams, dense_stream = _dense(stream, np.int32)
+    arrays = (np.ascontiguousarray(op, np.int8), dense_key, np.ascontiguousarray(nbytes, np.int64), dense_stream)
+    return _call(lib.replay, len(op), *(a.ctypes.data for a in arrays), num_keys, num_streams,
+                 *_settings(expandable_segments, capacity))
+
+
+def replay_batches(first: tuple, batch: tuple, sizes: np.ndarray, sequence, expandable_segments: bool = False,
+                   capacity: int | None = None) -> Replayed:
+    """Replay the events `first` (arrays op, key, nbytes, stream), then one batch per entry of
+    `sequence`: the events of `batch` (arrays op, key, stream) with the bytes of row
+    `sizes[entry]` (an array of one row per batch shape), a zero-byte allocation left out (its free
+    is then ignored: an empty tensor allocates nothing).
+
+    A batch is skipped when one of the same row was replayed since the allocator last mapped or
+    released a segment (`segment_changes`): a batch that frees all it allocates, with freed blocks
+    merging with their free neighbours, starts from the same cached segments, makes the same
+    requests and reaches the same peaks. Compiled when built (`native_replay`), else in Python."""
+    op, key, stream = batch
+    sequence = np.asarray(sequence, np.int64)
+    lib = native_replay()
+    if lib is None:
+        alloc = CachingAllocator(expandable_segments, capacity)
+        ops, keys, streams = op.tolist(), key.tolist(), stream.tolist()
+
+        def events():
+            yield from zip(itertools.repeat(0), *(a.tolist() for a in first))
+            last = {}  # row -> segment_changes when it was last replayed (the count only grows)
+            for row in sequence.tolist():
+                if last.get(row) == alloc.segment_changes:  # `replay` has replayed the previous batch
+                    continue
+                last[row] = alloc.segment_changes
+                for o, k, nb, st in zip(ops, keys, sizes[row].tolist(), streams):
+                    if nb or o < 0:
+                        yield 0, o, k, nb, st
+        return _replayed(replay(events(), alloc=alloc))
+    n0 = len(first[0])
+    num_keys, keys = _dense(np.concatenate([first[1], key]), np.int64)
+    num_streams, streams = _dense(np.concatenate([first[3], stream]), np.int32)
+    head = (np.ascontiguousarray(first[0], np.int8), keys[:n0], np.ascontiguousarray(first[2], np.int64),
+            streams[:n0])
+    body = (np.ascontiguousarray(op, np.int8), np.ascontiguousarray(keys[n0:]),
+            np.ascontiguousarray(sizes, np.int64), np.ascontiguousarray(streams[n0:]))
+    return _call(lib.replay_batches, n0, *(a.ctypes.data for a in head), len(op), *(a.ctypes.data for a in body),
+                 len(sequence), sequence.ctypes.data, len(sizes), num_keys, num_streams,
+                 *_settings(expandable_segments, capacity))

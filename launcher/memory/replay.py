@@ -5,7 +5,6 @@ caching allocator holds above them when the rebuilt step is replayed through its
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import os
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from launcher.environment import DEFAULT_CACHE_DIR
-from .allocator import CachingAllocator, replay, replay_arrays
+from .allocator import replay_arrays, replay_batches
 from .common import CATEGORIES, KIND_CATEGORY, Layout, PhasePeaks
 from .runtime import cublas_workspace_allocations
 
@@ -435,35 +434,22 @@ def varlen_replay(items_a: list[tuple], items_b: list[tuple], n: int, len_a: int
                   capacity: int | None = None) -> tuple[int, int]:
     """(held, needed) of `varlen_held_cache` from the step's storages at two lengths (`items_a`
     at `len_a` tokens, `items_b` at `len_b`: the same storages with the same lifetimes on a
-    timeline of `n` events), replayed as one stream of events (allocator.py `replay`).
-
-    A batch is skipped when one of the same length was replayed since the allocator last mapped or
-    released a segment (`segment_changes`): each batch frees all it allocates, and freed blocks
-    merge with their free neighbours, so such a batch starts from the same cached segments, makes
-    the same requests, and reaches the same peaks. With `training.length_multiple_of` most batches
-    repeat a length (a 512-token cap in multiples of 16 has 32)."""
+    timeline of `n` events), replayed as one stream of events, one batch per length
+    (allocator.py `replay_batches`, which skips a batch whose length was replayed since the
+    allocator last mapped or released a segment: with `training.length_multiple_of` most batches
+    repeat a length, a 512-token cap in multiples of 16 has 32)."""
     nbytes_a, persistent, order, ops, _, stream = _timeline(items_a, n)
     nbytes_b = np.array([it[3] for it in items_b], np.int64)
     slope = (nbytes_a - nbytes_b) / (len_a - len_b)
-    keys, ops_l, streams = (order + len(items_a)).tolist(), ops.tolist(), stream[order].tolist()
-
-    alloc = CachingAllocator(expandable_segments, capacity)
-
-    def batches():
-        replayed = set()  # (segment_changes, length) of the batches replayed (the count only grows)
-        for length in lengths:  # each batch frees its storages by its end: its keys are reused
-            state = (alloc.segment_changes, length)  # `replay` has replayed the previous batch's events
-            if state in replayed:
-                continue
-            replayed.add(state)
-            sizes = np.maximum(np.rint(nbytes_b + slope * (length - len_b)).astype(np.int64), 0)[order].tolist()
-            for k, op, nb, st in zip(keys, ops_l, sizes, streams):
-                if nb or op < 0:  # a zero-byte tensor allocates nothing (its free is then ignored)
-                    yield 0, op, k, nb, st
-
+    distinct, sequence = np.unique(np.asarray(lengths, np.int64), return_inverse=True)
+    sizes = np.maximum(np.rint(nbytes_b + slope * (distinct[:, None] - len_b)).astype(np.int64), 0)[:, order]
     start = _first_events(sm_arch, nbytes_a, persistent, stream)
-    replay(itertools.chain(start, batches()), alloc=alloc)
-    return alloc.peak_reserved - alloc.peak_allocated, max(0, alloc.peak_needed - alloc.peak_allocated)
+    first = tuple(np.array([e[f] for e in start], np.int64) for f in (1, 2, 3, 4))
+    # each batch frees its storages by its end: its keys are reused
+    replayed = replay_batches(first, (ops, order + len(items_a), stream[order]), sizes, sequence,
+                              expandable_segments, capacity)
+    return (replayed.peak_reserved - replayed.peak_allocated,
+            max(0, replayed.peak_needed - replayed.peak_allocated))
 
 
 _CODE = ("allocator.py", "replay.py", "_replay.c")  # the replay's code: its text is part of every memo key

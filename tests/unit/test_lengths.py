@@ -106,7 +106,10 @@ def test_a_batch_is_replayed_again_only_when_the_cache_has_changed(monkeypatch):
             mallocs.append(nbytes)
             return super().malloc(nbytes, stream)
 
-    monkeypatch.setattr("launcher.memory.replay.CachingAllocator", Counting)
+    # the Python replay, whose requests can be counted (the compiled one has the same rules:
+    # tests/unit/test_native_replay.py)
+    monkeypatch.setattr("launcher.memory.allocator.CachingAllocator", Counting)
+    monkeypatch.setattr("launcher.memory.allocator._NATIVE", [None])
     # the first 256 maps X's and Y's segments, the second meets them cached, the rest repeat it;
     # 512 maps X's 128 MiB segment: P and cuBLAS' two workspaces, then 2 requests per batch replayed
     repeated = held([256] * 10 + [512])

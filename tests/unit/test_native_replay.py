@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from launcher.memory.allocator import native_replay, replay, replay_arrays
+import launcher.memory.allocator as allocator
+from launcher.memory.allocator import native_replay, replay, replay_arrays, replay_batches
 
 MiB = 2**20
 # any size, and multiples of 512 B and 512 KiB, which meet the rules' thresholds exactly (a block
@@ -41,6 +42,35 @@ def test_compiled_and_python_replays_agree(events, expandable, capacity):
     native = replay_arrays(*arrays, expandable_segments=expandable, capacity=capacity)
     assert native == (python.peak_reserved, python.peak_allocated, python.peak_needed, python.reserved,
                       python.allocated, python.segment_changes)
+
+
+@st.composite
+def batched_streams(draw):
+    first = draw(streams_of_events())
+    m = draw(st.integers(1, 60))
+    batch = [(draw(st.sampled_from((1, 1, -1))), draw(st.integers(0, 30)), draw(st.sampled_from((0, 0, 1, 2))))
+             for _ in range(m)]
+    rows = draw(st.integers(1, 4))
+    sizes = [[draw(SIZES) for _ in range(m)] for _ in range(rows)]
+    sequence = draw(st.lists(st.integers(0, rows - 1), min_size=1, max_size=12))
+    return first, batch, sizes, sequence
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=batched_streams(), expandable=st.booleans(),
+       capacity=st.one_of(st.none(), st.integers(0, 400).map(lambda m: m * MiB)))
+def test_compiled_and_python_batch_replays_agree(case, expandable, capacity):
+    first, batch, sizes, sequence = case
+    first = tuple(np.array([e[f] for e in first], np.int64) for f in range(1, 5))
+    batch = tuple(np.array([e[f] for e in batch], np.int64) for f in range(3))
+    args = (first, batch, np.array(sizes, np.int64), sequence, expandable, capacity)
+    native = replay_batches(*args)
+    saved, allocator._NATIVE[:] = allocator._NATIVE[:], [None]  # the Python replay
+    try:
+        python = replay_batches(*args)
+    finally:
+        allocator._NATIVE[:] = saved
+    assert native == python
 
 
 @pytest.mark.parametrize("name", ["single", "fsdp2"])
