@@ -29,11 +29,12 @@ _CODE_HASH: list[str] = []
 
 
 def code_hash() -> str:
-    """sha256 of the source text of every module of the launcher package (path and text)."""
+    """sha256 of the source text of every module of the launcher package (path and text), with
+    the C source of its compiled allocator replay (memory/_replay.c)."""
     if not _CODE_HASH:
         root = Path(__file__).resolve().parent
         h = hashlib.sha256()
-        for path in sorted(root.rglob("*.py")):
+        for path in sorted([*root.rglob("*.py"), *root.rglob("*.c")]):
             h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
         _CODE_HASH.append(h.hexdigest())
     return _CODE_HASH[0]
