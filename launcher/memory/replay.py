@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -17,17 +18,52 @@ from .common import CATEGORIES, KIND_CATEGORY, Layout, PhasePeaks
 from .runtime import cublas_workspace_allocations
 
 
-def _items(layout: Layout) -> list[tuple]:
-    """(alloc event, free event, key, bytes, stream) of every device storage of a layout, but the
-    traced rows freed before the forward starts: temporaries of the model's construction (a GPTQ
-    stand-in's dropped 16-bit weights, trace.py `gptq_stand_in`) that a run loading its checkpoint
-    never has on the device."""
+@dataclass(frozen=True)
+class Items:
+    """Device storages on a step's timeline, as columns: allocation and free events, bytes and
+    stream of each, and its key, `keys[base]` (("row", r) a traced row, ("term", j) a framework
+    storage of the layout, ("grown", category, stream) what one more layer adds to a category's
+    persistent storages), with `copy` c > 0 for its copy in the c-th inserted layer
+    (`full_depth_items`)."""
+
+    start: np.ndarray
+    end: np.ndarray
+    nbytes: np.ndarray
+    stream: np.ndarray
+    base: np.ndarray
+    copy: np.ndarray
+    keys: list
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+    @classmethod
+    def of(cls, tuples: list[tuple]) -> "Items":
+        """From (start, end, key, nbytes, stream) tuples, each key its own."""
+        cols = [np.array([it[f] for it in tuples], np.int64) for f in (0, 1, 3, 4)]
+        return cls(*cols, np.arange(len(tuples)), np.zeros(len(tuples), np.int64), [it[2] for it in tuples])
+
+    def tuples(self) -> list[tuple]:
+        """(start, end, key, nbytes, stream) per storage; a copy's key is (key, c)."""
+        return [(a, b, self.keys[k] if c == 0 else (self.keys[k], c), nb, st) for a, b, k, c, nb, st in zip(
+            *(x.tolist() for x in (self.start, self.end, self.base, self.copy, self.nbytes, self.stream)))]
+
+
+def _items(layout: Layout) -> Items:
+    """Every device storage of a layout (`Items`), but the traced rows freed before the forward
+    starts: temporaries of the model's construction (a GPTQ stand-in's dropped 16-bit weights,
+    trace.py `gptq_stand_in`) that a run loading its checkpoint never has on the device."""
     t = layout.trace
     built = layout.phases["forward"][0]
     rows = (layout.mask & ~(layout.free <= built)).nonzero()[0]
-    items = [(int(layout.alloc[r]), int(layout.free[r]), ("row", int(r)), int(t.nbytes[r]), 0) for r in rows]
-    return items + [(term.start, term.end, ("term", j), term.nbytes, term.stream)
-                    for j, term in enumerate(layout.terms) if not term.host]
+    terms = [(j, term) for j, term in enumerate(layout.terms) if not term.host]
+    column = lambda rows_part, f: np.concatenate(  # noqa: E731
+        [np.asarray(rows_part, np.int64), np.array([f(term) for _, term in terms], np.int64)])
+    n = len(rows) + len(terms)
+    return Items(column(layout.alloc[rows], lambda term: term.start), column(layout.free[rows], lambda term: term.end),
+                 column(t.nbytes[rows], lambda term: term.nbytes), column(np.zeros(len(rows)), lambda term: term.stream),
+                 np.arange(n), np.zeros(n, np.int64),
+                 [("row", r) for r in rows.tolist()] + [("term", j) for j, _ in terms])
 
 
 def layer_blocks(shallower: Layout, deeper: Layout) -> tuple[int, int] | None:
@@ -52,7 +88,7 @@ def layer_blocks(shallower: Layout, deeper: Layout) -> tuple[int, int] | None:
     return fl, bl
 
 
-def full_depth_items(shallower: Layout, deeper: Layout, num_layers: int) -> tuple[list[tuple], int] | None:
+def full_depth_items(shallower: Layout, deeper: Layout, num_layers: int) -> tuple[Items, int] | None:
     """The deeper layout's storages at `num_layers` layers, and that step's event count: its
     second-to-last decoder layer (the last one with a layer on either side) repeated until the
     model has `num_layers` layers. The layers' forward blocks run in order and their backward
@@ -88,7 +124,7 @@ def full_depth_items(shallower: Layout, deeper: Layout, num_layers: int) -> tupl
 _LAST_REBUILD: list = []  # the last rebuild's layouts, depth and result
 
 
-def _full_depth_items(shallower: Layout, deeper: Layout, num_layers: int) -> tuple[list[tuple], int] | None:
+def _full_depth_items(shallower: Layout, deeper: Layout, num_layers: int) -> tuple[Items, int] | None:
     blocks = layer_blocks(shallower, deeper)
     k = num_layers - deeper.trace.num_layers
     if blocks is None or k <= 0:
@@ -129,15 +165,12 @@ def _full_depth_items(shallower: Layout, deeper: Layout, num_layers: int) -> tup
             return first_f + (j - 1) * fl + off
         return b0 + k * fl + (num_layers - 1 - j) * bl + off
 
-    def series(x: int, copies: int) -> list[int]:
-        """[placed(x, c) for c in range(copies + 1)]: from c = 1 on, one block further per copy
-        (forward blocks run on, backward blocks back), or the same event outside the blocks."""
-        first = placed(x, 0)
-        if copies == 0:
-            return [first]
-        where, one = locate(x), placed(x, 1)
-        step = 0 if where is None else fl if where[0] == "f" else -bl
-        return [first] + [one + (c - 1) * step for c in range(1, copies + 1)]
+    def series(x: int) -> tuple[int, int, int]:
+        """(first, one, step) of the event `x` in its copies: placed(x, c) is `first` at c = 0,
+        then one + (c - 1) * step: one block further per copy (forward blocks run on, backward
+        blocks back), or the same event outside the blocks."""
+        where = locate(x)
+        return placed(x, 0), placed(x, 1), 0 if where is None else fl if where[0] == "f" else -bl
 
     owner = t.param if t.owner is None else np.where(t.param >= 0, t.param, t.owner)
     term_layer = lambda j: int(t.params.layer[deeper.terms[j].param]) if deeper.terms[j].param >= 0 else -1  # noqa: E731
@@ -146,13 +179,19 @@ def _full_depth_items(shallower: Layout, deeper: Layout, num_layers: int) -> tup
     n_full = n + k * (fl + bl)
     matched, summed = _persistent_growth(shallower, deeper)
     grown = {**_term_growth(shallower, deeper), **matched}
-    out = []
-    for start, end, key, nbytes, stream in _items(deeper):
+    # one run per storage: its copies c = 0..copies start at s0 (c = 0), then s1 + (c - 1) * s_step,
+    # and end likewise: (s0, s1, s_step, e0, e1, e_step, copies, key index, bytes, stream)
+    runs = []
+    its = _items(deeper)
+    keys = list(its.keys)
+    for start, end, i, nbytes, stream in zip(*(x.tolist() for x in (its.start, its.end, its.base, its.nbytes,
+                                                                     its.stream))):
+        key = keys[i]
         cap = deeper.terms[key[1]].cap if key[0] == "term" else 0
         nbytes = nbytes + k * grown.get(key, 0) if not cap else min(nbytes + k * grown.get(key, 0), max(nbytes, cap))
+        layer_copies = k if key[0] == "row" and layer_of[key[1]] == middle else 0
         if start == 0 and end >= n:  # alive through the step
-            copies = k if key[0] == "row" and layer_of[key[1]] == middle else 0
-            out += [(0, n_full, key if c == 0 else (key, c), nbytes, stream) for c in range(copies + 1)]
+            runs.append((0, 0, 0, n_full, n_full, 0, layer_copies, i, nbytes, stream))
             continue
         where = locate(start)
         anchor = where[1] if where else None
@@ -160,21 +199,29 @@ def _full_depth_items(shallower: Layout, deeper: Layout, num_layers: int) -> tup
             # freed as the last layer returns (the end of the forward's layers): as the next layer
             # returns, one forward block on per copy (bloom's attention probabilities under
             # checkpointing live until the next layer's forward ends)
-            ends = [f1 + c * fl for c in range(k + 1)] if end == f1 else series(end, k)
-            out += [(a, b, key if c == 0 else (key, c), nbytes, stream)
-                    for c, (a, b) in enumerate(zip(series(start, k), ends))]
+            ends = (f1, f1 + fl, fl) if end == f1 else series(end)
+            runs.append((*series(start), *ends, k, i, nbytes, stream))
         elif key[0] == "term" and term_layer(key[1]) == middle:  # a copy of one of its parameters
             a = placed(start, 0)
-            out += [(a, b, key if c == 0 else (key, c), nbytes, stream) for c, b in enumerate(series(end, k))]
+            runs.append((a, a, 0, *series(end), k, i, nbytes, stream))
         elif anchor is not None:  # the last layer moves k layers on; earlier ones stay
             shift = k if anchor == depth - 1 else 0
-            out.append((placed(start, shift), placed(end, shift), key, nbytes, stream))
+            a, b = placed(start, shift), placed(end, shift)
+            runs.append((a, a, 0, b, b, 0, 0, i, nbytes, stream))
         else:
-            span = (moved(start), moved(end))
-            copies = k if key[0] == "row" and layer_of[key[1]] == middle else 0
-            out += [(*span, key if c == 0 else (key, c), nbytes, stream) for c in range(copies + 1)]
-    out += [(0, n_full, ("grown", cat, stream), k * nb, stream) for (cat, stream), nb in summed.items()]
-    return out, n_full
+            a, b = moved(start), moved(end)
+            runs.append((a, a, 0, b, b, 0, layer_copies, i, nbytes, stream))
+    for (cat, stream), nb in summed.items():
+        runs.append((0, 0, 0, n_full, n_full, 0, 0, len(keys), k * nb, stream))
+        keys.append(("grown", cat, stream))
+    r = np.array(runs, np.int64).reshape(-1, 10)
+    counts = r[:, 6] + 1
+    run = np.repeat(np.arange(len(r)), counts)
+    copy = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    first, later = copy == 0, copy - 1
+    return Items(np.where(first, r[run, 0], r[run, 1] + later * r[run, 2]),
+                 np.where(first, r[run, 3], r[run, 4] + later * r[run, 5]),
+                 r[run, 8], r[run, 9], r[run, 7], copy, keys), n_full
 
 
 def _mover(deeper: Layout, blocks: tuple[int, int], k: int):
@@ -210,14 +257,12 @@ def full_depth_peaks(shallower: Layout, deeper: Layout, num_layers: int, roundin
         return None
     items, n = full
     t = deeper.trace
-    start, end, nbytes = (np.array([it[f] for it in items], np.int64) for f in (0, 1, 3))
+    start, end, nbytes = items.start, items.end, items.nbytes
     nbytes = -(-nbytes // rounding) * rounding if rounding > 1 else nbytes
-    base = [it[2] if it[2][0] in ("row", "term", "grown") else it[2][0] for it in items]  # a copy: (key, c)
     of_kind = {int(k): c for k, c in KIND_CATEGORY.items()}
-    of_row = [of_kind.get(k) for k in t.kind.tolist()]  # each traced row's category, read once
-    of_term = [term.category for term in deeper.terms]
-    category = np.array([of_row[key[1]] if key[0] == "row" else key[1] if key[0] == "grown" else of_term[key[1]]
-                         for key in base])
+    kinds = t.kind.tolist()
+    category = np.array([of_kind.get(kinds[key[1]]) if key[0] == "row" else key[1] if key[0] == "grown"
+                         else deeper.terms[key[1]].category for key in items.keys])[items.base]
     curves = {}
     for cat in CATEGORIES:
         sel = category == cat
@@ -287,7 +332,7 @@ def _term_growth(shallower: Layout, deeper: Layout) -> dict:
             for (j, nb), (_, old) in zip(terms, a[name])}
 
 
-def allocation_events(layout: Layout, sm_arch: int, items: list[tuple] | None = None,
+def allocation_events(layout: Layout, sm_arch: int, items: Items | None = None,
                       num_events: int | None = None) -> list[tuple]:
     """(time, op, key, nbytes, stream) for the device storages of a layout (or `items` on a
     timeline of `num_events`, `full_depth_items`), steady state: persistent storages (alive from
@@ -298,7 +343,7 @@ def allocation_events(layout: Layout, sm_arch: int, items: list[tuple] | None = 
     return list(zip(*(a.tolist() for a in allocation_arrays(layout, sm_arch, items, num_events))))
 
 
-def allocation_arrays(layout: Layout, sm_arch: int, items: list[tuple] | None = None,
+def allocation_arrays(layout: Layout, sm_arch: int, items: Items | None = None,
                       num_events: int | None = None) -> tuple[np.ndarray, ...]:
     """`allocation_events` as five arrays (time, op, key, nbytes, stream), for `replay_arrays`."""
     n = layout.num_events if num_events is None else num_events
@@ -325,12 +370,12 @@ def _first_events(sm_arch: int, nbytes=None, persistent=(), stream=None) -> list
     return events + [(-1, 1, int(i), int(nbytes[i]), int(stream[i])) for i in persistent]
 
 
-def _timeline(items: list[tuple], n: int):
+def _timeline(items: Items, n: int):
     """One step's events of `items` on a timeline of `n` events: (bytes per item, the persistent
     items (alive from the first to the last event), then for the others' allocations and frees in
     order: item, op (+1 allocate, -1 free), time; stream per item). Frees come first at one time;
     items alive at the end of the step are freed there."""
-    start, end, nbytes, stream = (np.array([it[f] for it in items], np.int64) for f in (0, 1, 3, 4))
+    start, end, nbytes, stream = items.start, items.end, items.nbytes, items.stream
     persistent = (start == 0) & (end >= n)
     rest = np.nonzero(~persistent)[0]
     op = np.concatenate([np.ones(len(rest), np.int64), -np.ones(len(rest), np.int64)])
@@ -410,15 +455,16 @@ def varlen_held_cache(long: tuple, short: tuple, lengths: list[int], sm_arch: in
         items, n = full or (_items(deeper), deeper.num_events)
         sides.append((items, n, tokens, deeper))
     (items_a, n, len_a, deeper), (items_b, n_b, len_b, _) = sides
-    if n != n_b or len(items_a) != len(items_b) or len_a == len_b or any(
-            x[:3] != y[:3] or x[4] != y[4] for x, y in zip(items_a, items_b)):
+    same = ("start", "end", "stream", "base", "copy")
+    if n != n_b or len(items_a) != len(items_b) or len_a == len_b or items_a.keys != items_b.keys or not all(
+            np.array_equal(getattr(items_a, f), getattr(items_b, f)) for f in same):
         return None
     key = None
     if memo is not None:
         h = hashlib.blake2b(digest_size=20)
-        h.update(json.dumps([len_a, len_b, list(lengths), capacity, [x[:3] + x[4:] for x in items_a]],
-                            default=str).encode())
-        h.update(np.array([[x[3], y[3]] for x, y in zip(items_a, items_b)], np.int64).tobytes())
+        h.update(json.dumps([len_a, len_b, list(lengths), capacity, items_a.keys], default=str).encode())
+        for column in [getattr(items_a, f) for f in same] + [items_a.nbytes, items_b.nbytes]:
+            h.update(np.ascontiguousarray(column, np.int64).tobytes())
         key = memo.key(deeper, sm_arch, expandable_segments, ["varlen", h.hexdigest()])
         held = memo.get(key)
         if held is not None:
@@ -429,7 +475,7 @@ def varlen_held_cache(long: tuple, short: tuple, lengths: list[int], sm_arch: in
     return held
 
 
-def varlen_replay(items_a: list[tuple], items_b: list[tuple], n: int, len_a: int, len_b: int,
+def varlen_replay(items_a: Items, items_b: Items, n: int, len_a: int, len_b: int,
                   lengths: list[int], sm_arch: int, expandable_segments: bool = False,
                   capacity: int | None = None) -> tuple[int, int]:
     """(held, needed) of `varlen_held_cache` from the step's storages at two lengths (`items_a`
@@ -439,7 +485,7 @@ def varlen_replay(items_a: list[tuple], items_b: list[tuple], n: int, len_a: int
     allocator last mapped or released a segment: with `training.length_multiple_of` most batches
     repeat a length, a 512-token cap in multiples of 16 has 32)."""
     nbytes_a, persistent, order, ops, _, stream = _timeline(items_a, n)
-    nbytes_b = np.array([it[3] for it in items_b], np.int64)
+    nbytes_b = items_b.nbytes
     slope = (nbytes_a - nbytes_b) / (len_a - len_b)
     distinct, sequence = np.unique(np.asarray(lengths, np.int64), return_inverse=True)
     sizes = np.maximum(np.rint(nbytes_b + slope * (distinct[:, None] - len_b)).astype(np.int64), 0)[:, order]

@@ -48,11 +48,12 @@ def test_a_step_rebuilt_at_depth_replays_like_the_step_traced_there(name, checkp
     wl, t = _traces(strategy, checkpointing)
     shallow, deep = _layouts(t, 2, 3, strategy, wl)
     real = _layouts(t, DEPTH - 1, DEPTH, strategy, wl)[1]
-    items, num_events = full_depth_items(shallow, deep, DEPTH)
+    rebuilt_items, num_events = full_depth_items(shallow, deep, DEPTH)
+    items = rebuilt_items.tuples()
     # the same storages: sizes and streams, and the same number of them (FSDP2: its backward
     # prefetch of the middle block is issued before that block, so the rebuilt step lacks the
     # inserted blocks' backward all-gather buffers; replay.py `full_depth_items`)
-    sizes = collections.Counter((i[3], i[4]) for i in items) - collections.Counter((i[3], i[4]) for i in _items(real))
+    sizes = collections.Counter((i[3], i[4]) for i in items) - collections.Counter((i[3], i[4]) for i in _items(real).tuples())
     assert not sizes if name != "fsdp2" else set(sizes) <= {(16384, 0)}
     # the forward and backward blocks of one layer are what a layer adds to the trace (FSDP2's
     # layout inserts its own events at each block's boundaries)
@@ -65,8 +66,8 @@ def test_a_step_rebuilt_at_depth_replays_like_the_step_traced_there(name, checkp
         def steps(its, lay, shift):
             a, b = lay.phases["forward"][0], lay.phases["backward"][1] + shift
             return collections.Counter((i[0] - a, i[1] - a, i[3]) for i in its if a <= i[0] and i[1] <= b)
-        assert steps(items, deep, (DEPTH - 3) * (fl + bl)) == steps(_items(real), real, 0)
-    rebuilt = replay(allocation_events(deep, 80, items, num_events))
+        assert steps(items, deep, (DEPTH - 3) * (fl + bl)) == steps(_items(real).tuples(), real, 0)
+    rebuilt = replay(allocation_events(deep, 80, rebuilt_items, num_events))
     traced = replay(allocation_events(real, 80))
     assert (rebuilt.peak_reserved, rebuilt.peak_needed) == (traced.peak_reserved, traced.peak_needed)
     # ZeRO-3's 16-bit model: a tensor of the second-to-last layer that the last layer frees when
@@ -103,6 +104,7 @@ def test_buckets_that_grow_in_number_with_depth_keep_their_total():
     real = lays(DEPTH - 1, DEPTH)[1]
     assert len(real.terms) > len(deep.terms) > len(shallow.terms)  # more buckets at every depth
     items, n = full_depth_items(shallow, deep, DEPTH)
+    items = items.tuples()
     whole = sum(i[3] for i in items if i[0] == 0 and i[1] >= n and i[2][0] in ("term", "grown"))
     assert whole == sum(term.nbytes for term in real.terms if term.start == 0 and term.end >= real.num_events)
     assert all(i[3] > 0 for i in items)

@@ -13,7 +13,7 @@ from launcher.cli import compose
 from launcher.errors import ConfigError
 from launcher.hardware import cluster_from
 from launcher.memory.allocator import CachingAllocator
-from launcher.memory.replay import varlen_replay
+from launcher.memory.replay import Items, varlen_replay
 from launcher.types import Workload
 
 MIB = 2**20
@@ -67,8 +67,8 @@ def test_a_bad_profile_names_the_key_and_the_format(tmp_path, text, why):
 
 # One step, on a timeline of 5 events: a persistent 64 MiB storage, an activation X of 128 MiB at
 # 512 tokens (64 MiB at 256) alive over events 1-2 and a 30 MiB buffer Y alive over 2-3.
-STEP_512 = [(0, 5, "P", 64 * MIB, 0), (1, 3, "X", 128 * MIB, 0), (2, 4, "Y", 30 * MIB, 0)]
-STEP_256 = [(0, 5, "P", 64 * MIB, 0), (1, 3, "X", 64 * MIB, 0), (2, 4, "Y", 30 * MIB, 0)]
+STEP_512 = Items.of([(0, 5, "P", 64 * MIB, 0), (1, 3, "X", 128 * MIB, 0), (2, 4, "Y", 30 * MIB, 0)])
+STEP_256 = Items.of([(0, 5, "P", 64 * MIB, 0), (1, 3, "X", 64 * MIB, 0), (2, 4, "Y", 30 * MIB, 0)])
 
 
 def held(batches, capacity=None):
