@@ -18,7 +18,7 @@ from .common import CATEGORIES, KIND_CATEGORY, Layout, PhasePeaks
 from .runtime import cublas_workspace_allocations
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Items:
     """Device storages on a step's timeline, as columns: allocation and free events, bytes and
     stream of each, and its key, `keys[base]` (("row", r) a traced row, ("term", j) a framework
@@ -348,26 +348,28 @@ def allocation_arrays(layout: Layout, sm_arch: int, items: Items | None = None,
     """`allocation_events` as five arrays (time, op, key, nbytes, stream), for `replay_arrays`."""
     n = layout.num_events if num_events is None else num_events
     items = _items(layout) if items is None else items
-    workspaces = np.array(cublas_workspace_allocations(sm_arch), np.int64)
-    first = len(workspaces)
     if not items:
-        return (np.full(first, -1), np.ones(first, np.int64), -1 - np.arange(first), workspaces,
-                np.zeros(first, np.int64))
+        return (np.full(len(cublas_workspace_allocations(sm_arch)), -1), *_first_events(sm_arch))
     nbytes, persistent, key, ops, at, stream = _timeline(items, n)
-    first += len(persistent)
+    first = _first_events(sm_arch, nbytes, persistent, stream)
     steps = [(at + rep * (n + 1), key + (rep + 1) * len(items)) for rep in range(2)]
-    return (np.concatenate([np.full(first, -1)] + [t for t, _ in steps]),
-            np.concatenate([np.ones(first, np.int64), ops, ops]),
-            np.concatenate([-1 - np.arange(len(workspaces)), persistent] + [k for _, k in steps]),
-            np.concatenate([workspaces, nbytes[persistent], nbytes[key], nbytes[key]]),
-            np.concatenate([np.zeros(len(workspaces), np.int64), stream[persistent], stream[key], stream[key]]))
+    return (np.concatenate([np.full(len(first[0]), -1)] + [t for t, _ in steps]),
+            np.concatenate([first[0], ops, ops]),
+            np.concatenate([first[1]] + [k for _, k in steps]),
+            np.concatenate([first[2], nbytes[key], nbytes[key]]),
+            np.concatenate([first[3], stream[key], stream[key]]))
 
 
-def _first_events(sm_arch: int, nbytes=None, persistent=(), stream=None) -> list[tuple]:
-    """The replay's first allocations: the cuBLAS workspaces (keys -1, -2, ...), then the persistent
-    storages (`_timeline`; keyed by their item numbers)."""
-    events = [(-1, 1, -1 - j, b, 0) for j, b in enumerate(cublas_workspace_allocations(sm_arch))]
-    return events + [(-1, 1, int(i), int(nbytes[i]), int(stream[i])) for i in persistent]
+def _first_events(sm_arch: int, nbytes=None, persistent=None, stream=None) -> tuple[np.ndarray, ...]:
+    """The replay's first allocations (op, key, nbytes, stream): the cuBLAS workspaces (keys -1,
+    -2, ...), then the persistent storages (`_timeline`; keyed by their item numbers)."""
+    workspaces = np.array(cublas_workspace_allocations(sm_arch), np.int64)
+    if persistent is None:
+        persistent = nbytes = stream = np.zeros(0, np.int64)
+    return (np.ones(len(workspaces) + len(persistent), np.int64),
+            np.concatenate([-1 - np.arange(len(workspaces)), persistent]),
+            np.concatenate([workspaces, nbytes[persistent]]),
+            np.concatenate([np.zeros(len(workspaces), np.int64), stream[persistent]]))
 
 
 def _timeline(items: Items, n: int):
@@ -489,8 +491,7 @@ def varlen_replay(items_a: Items, items_b: Items, n: int, len_a: int, len_b: int
     slope = (nbytes_a - nbytes_b) / (len_a - len_b)
     distinct, sequence = np.unique(np.asarray(lengths, np.int64), return_inverse=True)
     sizes = np.maximum(np.rint(nbytes_b + slope * (distinct[:, None] - len_b)).astype(np.int64), 0)[:, order]
-    start = _first_events(sm_arch, nbytes_a, persistent, stream)
-    first = tuple(np.array([e[f] for e in start], np.int64) for f in (1, 2, 3, 4))
+    first = _first_events(sm_arch, nbytes_a, persistent, stream)
     # each batch frees its storages by its end: its keys are reused
     replayed = replay_batches(first, (ops, order + len(items_a), stream[order]), sizes, sequence,
                               expandable_segments, capacity)
