@@ -116,11 +116,11 @@ def default_target_modules(model_type: str) -> list[str]:
     `DEFAULT_TARGETS_PEFT_LACKS`."""
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as mapping
 
-    mapping = {**{k: list(v) for k, v in DEFAULT_TARGETS_PEFT_LACKS.items()}, **mapping}
-    if model_type not in mapping:
+    targets = mapping.get(model_type, DEFAULT_TARGETS_PEFT_LACKS.get(model_type))
+    if targets is None:
         raise ConfigError(f"PEFT has no default LoRA target modules for model_type={model_type!r}; "
                           f"set peft.target_modules, e.g. peft.target_modules=[q_proj,v_proj]")
-    return list(mapping[model_type])
+    return list(targets)
 
 
 def lora_config(settings: LoraSettings, model_type: str):
