@@ -105,7 +105,7 @@ def exports(plan: Plan, config: LauncherConfig, run_dir: Path) -> list[Export]:
         if backend.exports:
             files, line = backend.exports(plan, config)
             acc_files += [Export(name, text) for name, text in files]
-            backend_lines.append(line)
+            backend_lines += [line] if line else []  # '': the backend was not planned
     if plan.chosen is None:
         return ds_files + acc_files
     chosen = plan.candidates[plan.chosen]

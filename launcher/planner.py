@@ -36,10 +36,11 @@ STRATEGIES = registry.STRATEGIES  # name -> template, derived from the backend r
 def strategies_for(config: LauncherConfig, spec: ModelSpec | None = None) -> list[Strategy]:
     """The strategies to plan; with a model spec, templates with tensor or pipeline parallelism
     expand into their valid layouts (Backend.expand). `auto` on several GPUs leaves out `single`, a
-    one-process strategy (asked for by name there, `unsupported` says why)."""
+    one-process strategy (asked for by name there, `unsupported` says why), and the strategies of a
+    backend planned by name only (Backend.auto)."""
     name = config.strategy.name
-    chosen = ([s for s in STRATEGIES.values() if s.name != "single" or config.gpus == 1] if name == "auto"
-              else [STRATEGIES[name]])
+    chosen = ([s for s in STRATEGIES.values() if (s.name != "single" or config.gpus == 1) and backend_of(s).auto]
+              if name == "auto" else [STRATEGIES[name]])
     if spec is None:
         return chosen
     out: list[Strategy] = []

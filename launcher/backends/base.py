@@ -172,6 +172,8 @@ class Backend:
     interpreter: Optional[Callable[[Strategy], Optional[str]]] = None  # the ranks' Python; None: the launcher's
     attention: Optional[Callable[[Strategy, str, str], str]] = None  # (strategy, model_type, planned) -> what runs
     peft_settings: Optional[Callable[[Strategy, Any], Any]] = None  # (strategy, LoraSettings) -> what its ranks run
+    auto: bool = True  # planned under strategy=auto; False: only when one of its strategies is asked for by name
+    builds_on: tuple = ()  # backends whose modules this one's folder imports (shared rules, layout machinery)
 
     def attention_of(self, strategy: Strategy, model_type: str, planned: str) -> str:
         """The attention implementation `strategy`'s ranks run for `planned` (what the estimate traces)."""

@@ -1,5 +1,6 @@
 """A backend is one folder: outside `launcher/backends/<name>/` only the registry imports it, and
-only the config schema names its strategies (docs/architecture.md "Adding a backend"). Checked on
+only the config schema names its strategies (docs/architecture.md "Adding a backend"); a backend
+that builds on another (Backend.builds_on, e.g. fsdp1 on fsdp2's layout machinery) may import it. Checked on
 the source itself (the static import graph and string literals), for every registered backend.
 
 The backends that predate the registry still reach further; their extra files are listed in
@@ -48,11 +49,14 @@ def references(name: str, strategies: set[str], source: str) -> tuple[bool, bool
 
 
 def footprint(name: str) -> tuple[set[str], set[str]]:
+    """Files outside the backend's folder, and outside the folders of backends that build on it
+    (Backend.builds_on), that import it or spell its strategy names."""
     folder = PACKAGE / "backends" / name
+    builders = [PACKAGE / "backends" / b.name for b in REGISTRY.values() if name in b.builds_on]
     strategies = set(REGISTRY[name].strategies)
     importers, spellers = set(), set()
     for path in sorted(PACKAGE.rglob("*.py")):
-        if folder in path.parents:
+        if folder in path.parents or any(f in path.parents for f in builders):
             continue
         imports, literals = references(name, strategies, path.read_text())
         relative = str(path.relative_to(ROOT))
