@@ -101,6 +101,9 @@ class TraceKey:
     adapter_autocast: bool = True  # peft autocast_adapter_dtype (fp32 adapters on a 16-bit model)
     tp_size: int = 1  # >1: trace one tensor-parallel rank's shard model (`tp_shard_config`)
     transformers4: bool = False  # the model as transformers 4.51 runs it (`_sdpa_as_transformers4`, `_transformers4_buffers`)
+    # FSDP1 (use_orig_params=True): every parameter of a wrapped unit (a decoder layer, or the rest of
+    # the model) holding a trainable one gets a gradient too (`_flat_param_grads`)
+    flat_param_grads: bool = False
 
     def __post_init__(self):
         _check(self.param_dtype, PARAM_DTYPES, "param_dtype")
@@ -116,6 +119,8 @@ class TraceKey:
             raise ValueError("TraceKey.trainable='lora' needs lora_r >= 1")
         if self.quant_type is not None and self.trainable != "lora":
             raise ValueError("TraceKey.quant_type (QLoRA) needs trainable='lora'")
+        if self.trainable == "all" and self.flat_param_grads:  # every parameter has a gradient already
+            object.__setattr__(self, "flat_param_grads", False)
 
     def lora_settings(self):
         """The `launcher.peft.LoraSettings` of this key (None for full fine-tuning)."""
@@ -428,6 +433,7 @@ def _run_step(key: TraceKey, rec: _Recorder, marks: dict, grads: dict):
         vocab_size = model.config.vocab_size
         if key.trainable == "lora":
             model, marks["quantized"] = _apply_lora(model, key)
+        given_grads = _flat_param_grads(model) if key.flat_param_grads else []
         _watch_layers(model, key.num_layers, rec, marks)
         trainable = [p for p in model.parameters() if p.requires_grad]
         for p in trainable:
@@ -453,8 +459,31 @@ def _run_step(key: TraceKey, rec: _Recorder, marks: dict, grads: dict):
         marks["zero_grad"] = rec.num_events
         (opt or model).zero_grad(set_to_none=True)
         marks["end"] = rec.num_events
+        for p in given_grads:  # the parameter table records what the optimizer steps
+            p.requires_grad_(False)
         marks["inputs"] = rec.row(ids)
         return model, (in_backward or opt)
+
+
+def _flat_param_grads(model) -> list:
+    """FSDP1 with `use_orig_params=True` flattens a unit's parameters into one FlatParameter that
+    requires grad when any of them does (_flat_param.py `_validate_tensors_to_flatten`: the logical
+    OR), and in forward the parameters are views of it (`_use_unsharded_views(as_params=False)`), so
+    autograd computes the frozen ones' gradients too, and saves what their gradients need
+    (_wrap_utils.py `_validate_frozen_params` warns of the gradient memory). The units are the
+    decoder layers and the rest of the model (one unit per layer and the root). Sets requires_grad
+    on the frozen parameters of each unit holding a trainable one; returns them."""
+    units: dict = {}
+    for name, p in model.named_parameters():
+        m = _LAYER_RE.search(name)
+        units.setdefault(int(m.group(1)) if m else -1, []).append(p)
+    out = []
+    for params in units.values():
+        if any(p.requires_grad for p in params):
+            out += [p for p in params if not p.requires_grad]
+    for p in out:
+        p.requires_grad_(True)
+    return out
 
 
 def _apply_lora(model, key: TraceKey):
@@ -856,7 +885,7 @@ def cache_key(key: TraceKey) -> str:
 def _cache_key(key: TraceKey) -> str:
     fields = dataclasses.asdict(key)
     for name in ("kbit_upcast", "gptq_group_size", "lora_dora", "lora_modules_to_save", "lora_train_base",
-                 "zero3_linear", "transformers4"):
+                 "zero3_linear", "transformers4", "flat_param_grads"):
         # unset: the key hashes as before the field existed
         if not fields.get(name):
             fields.pop(name, None)
