@@ -56,7 +56,7 @@ StrategyName = _enum(
     "StrategyName",
     ["auto", "single", "ddp", "zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload",
      "cai_ddp", "cai_zero1", "cai_zero2", "cai_gemini", "cai_tp", "cai_pp",
-     "fsdp2", "fsdp2_grad_op", "fsdp2_offload", "fsdp2_tp"],
+     "fsdp2", "fsdp2_grad_op", "fsdp2_offload", "fsdp2_tp", "fsdp1", "fsdp1_grad_op"],
     "auto = plan every candidate. single = one process, the model not wrapped by any data-parallel "
     "framework (what HF Trainer and torchtune run on one GPU; gpus=1 only). ddp = torch "
     "DistributedDataParallel. zero0..zero3 = DeepSpeed "
@@ -68,7 +68,9 @@ StrategyName = _enum(
     "1F1B pipeline parallelism (colossalai.pp_size). fsdp2* = PyTorch FSDP2 (fully_shard per "
     "decoder block and root): fsdp2 reshard_after_forward=True (ZeRO-3-like), fsdp2_grad_op False "
     "(ZeRO-2-like), fsdp2_offload CPUOffloadPolicy, fsdp2_tp FSDP x torch tensor parallelism on a "
-    "2D DeviceMesh (fsdp2.tp_size).",
+    "2D DeviceMesh (fsdp2.tp_size). fsdp1* = PyTorch FSDP1 (FullyShardedDataParallel, one flat "
+    "parameter per decoder block and root; what Accelerate's fsdp_version 1 and HF Trainer's --fsdp run), "
+    "planned by name only: fsdp1 FULL_SHARD, fsdp1_grad_op SHARD_GRAD_OP.",
 )
 Mode = _enum(
     "Mode",

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import importlib
 
-from launcher.backends import colossalai, ddp, deepspeed, fsdp2
+from launcher.backends import colossalai, ddp, deepspeed, fsdp1, fsdp2
 from launcher.backends.base import Backend
 from launcher.config import LauncherConfig
 from launcher.errors import ConfigError
 from launcher.types import Strategy
 
-_BACKENDS = (ddp.BACKEND, deepspeed.BACKEND, fsdp2.BACKEND, colossalai.BACKEND)
+_BACKENDS = (ddp.BACKEND, deepspeed.BACKEND, fsdp2.BACKEND, colossalai.BACKEND, fsdp1.BACKEND)
 
 REGISTRY: dict[str, Backend] = {}
 STRATEGIES: dict[str, Strategy] = {}
