@@ -37,7 +37,11 @@ def plan_config(strategy: Strategy, precision: str, num_processes: int) -> dict:
 def accelerate_config(strategy: Strategy, precision: str, num_processes: int, num_machines: int,
                       device: str, layer_class: str | None, gradient_checkpointing: bool) -> dict:
     """Accelerate's ClusterConfig for an FSDP1 candidate (`layer_class`: the decoder block class
-    that `TRANSFORMER_BASED_WRAP` wraps, e.g. LlamaDecoderLayer)."""
+    that `TRANSFORMER_BASED_WRAP` wraps, e.g. LlamaDecoderLayer). Under `mixed_precision: bf16`
+    Accelerate's plugin builds its own `MixedPrecision` in bf16, gradient reduction included
+    (`FullyShardedDataParallelPlugin.set_mixed_precision`), where the worker reduces in fp32, and
+    HF Trainer with a PEFT model wraps the adapters in units of their own (layout.py
+    `MIXED_UNIT_NOTE`)."""
     return {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": "FSDP",

@@ -81,14 +81,16 @@ class Unit:
     params: list
     spans: list
     numel: int  # padded flat numel, a multiple of the world size
+    world: int = 1
 
     @property
     def shard(self) -> int:
-        return self._shard
+        """Each rank's chunk (`_get_shard`: equal chunks of the world-padded flat numel)."""
+        return self.numel // self.world
 
     def local(self, rank: int, trainable) -> list[int]:
         """Numel of each trainable parameter inside `rank`'s chunk (its optimizer view)."""
-        a, b = rank * self._shard, (rank + 1) * self._shard
+        a, b = rank * self.shard, (rank + 1) * self.shard
         return [max(0, min(b, o + n) - max(a, o)) for p, (o, n) in zip(self.params, self.spans) if trainable[p]]
 
 
@@ -109,9 +111,7 @@ def units(trace: StepTrace, world: int, compute_bytes: int) -> dict:
             spans.append((total, n))
             total += n
         total += -total % world
-        u = Unit(layer, params, spans, total)
-        u._shard = total // world
-        out[layer] = u
+        out[layer] = Unit(layer, params, spans, total, world)
     return out
 
 
@@ -119,8 +119,7 @@ def fsdp1_layout(trace: StepTrace, s: FSDP1Setup) -> fsdp2.FSDP2Layout:
     """This rank's storages under FSDP1 on the traced (shallow) model (module docstring)."""
     n, W, r = trace.num_layers, s.world, s.rank
     us = units(trace, W, s.compute_bytes)
-    empty = Unit(ROOT, [], [], 0)
-    empty._shard = 0
+    empty = Unit(ROOT, [], [], 0, W)
     root = us.get(ROOT, empty)
     blocks = [us.get(l, empty) for l in range(n)]
     F, B = fsdp2.block_events(trace)
