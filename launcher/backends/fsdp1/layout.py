@@ -34,8 +34,11 @@ and the root (embeddings, final norm, LM head), as `ModuleWrapPolicy` wraps them
   differs (a new tensor; the autograd one stays referenced until the hook returns), allocates the
   sharded output (`_get_reduce_scatter_tensors`: `empty_like(chunks[0])`), reduce-scatters and keeps
   it as `_saved_grad_shard` (`_accumulate_sharded_grad`), freeing the unsharded ones when the hook
-  returns. The sharded gradients are the optimizer's until `zero_grad`. The root's hook runs after
-  the last traced backward event (its embedding gradient is the step's last).
+  returns. The sharded gradients are the optimizer's (`_finalize_params`: `flat_param.grad`) until
+  the next forward's root pre-forward frees them (`_reset_flat_param_grad_info_if_needed`;
+  `zero_grad` only drops the original parameters' views of them), laid out as freed at the step's
+  end, where nothing is allocated before that. The root's hook runs after the last traced backward
+  event (its embedding gradient is the step's last).
 
 Under gradient accumulation every micro-batch reduce-scatters (the worker never skips the sync);
 the laid-out micro-batch is the last, its new shard added into `_saved_grad_shard` and freed.

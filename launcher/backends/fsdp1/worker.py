@@ -15,6 +15,11 @@ What runs (the emitted plan JSON, emit.py `plan_config`, is `spec.framework_conf
   sharded gradient (`_saved_grad_shard`), as the FSDP2 worker does;
 - the torch optimizer over the original parameters, views of each rank's shard
   (`use_orig_params=True`).
+
+On CPU processes FSDP1 all-gathers with `dist.all_gather` into chunk views of the unsharded flat
+parameter (_flat_param.py `_all_gather_flat_param`), for which gloo allocates a flat output of the
+unit's size inside its worker thread and copies out of it: host memory the allocation tracker
+(launcher/worker/storage_tracker.py, tensors the ops return) does not see, and not a GPU term.
 """
 from __future__ import annotations
 
