@@ -1,6 +1,6 @@
 """The worker hook of the FSDP1 backend: wraps the model with `FullyShardedDataParallel`, runs the
 micro-steps and the optimizer step, and checkpoints with `torch.distributed.checkpoint` (sharded:
-every rank writes its own shards).
+every rank writes its own shards) as the FSDP2 worker does.
 
 Same interface as launcher/worker/backends.py `DDPBackend`: micro_step(input_ids, last) -> loss,
 optimizer_step(), lr, save(dir, rank), load(dir), load_neutral(dir).
@@ -23,14 +23,9 @@ unit's size inside its worker thread and copies out of it: host memory the alloc
 """
 from __future__ import annotations
 
-from pathlib import Path
-
+from launcher.backends.fsdp2.worker import FSDP2Backend
 from launcher.errors import ConfigError
-from launcher.worker import layout
 from launcher.worker.optim import make_optimizer, make_scheduler
-
-DCP_DIR = "dcp"  # the sharded model + optimizer checkpoint (torch.distributed.checkpoint)
-SCHEDULER = "scheduler.pt"
 
 
 def check_config(spec, world_size: int) -> None:
@@ -133,48 +128,9 @@ class FSDP1Backend:
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
 
-    @property
-    def lr(self) -> float:
-        return float(self.scheduler.get_last_lr()[0])
-
-    def save(self, directory: Path, rank: int) -> None:
-        """Sharded: `dcp.save` of the model's and the optimizer's sharded state dicts
-        (torch/distributed/checkpoint/state_dict.py `get_state_dict`, which handles FSDP1 modules);
-        the scheduler (identical on every rank) by rank 0."""
-        import torch
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(Path(directory) / DCP_DIR))
-        if rank == 0:
-            torch.save(self.scheduler.state_dict(), Path(directory) / SCHEDULER)
-
-    def load(self, directory: Path) -> None:
-        import torch
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_state, "optimizer": optim_state}
-        dcp.load(state, checkpoint_id=str(Path(directory) / DCP_DIR))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
-        self.scheduler.load_state_dict(torch.load(Path(directory) / SCHEDULER, weights_only=True))
-        self._meter.track_external(self.model, self.optimizer)
-
-    def load_neutral(self, directory: Path) -> None:
-        """The layout-neutral optimizer (launcher/worker/layout.py: full tensors indexed by the
-        trainable parameters' order) through `set_optimizer_state_dict` with full state dicts
-        keyed by parameter name, which shards them (torch/distributed/checkpoint/state_dict.py)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        saved = layout.neutral_optimizer(directory)
-        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
-        state = {names[int(i)]: value for i, value in saved["state"].items()}
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[int(i)] for i in g["params"]]}
-                  for g in saved["param_groups"]]
-        set_optimizer_state_dict(self.model, self.optimizer, {"state": state, "param_groups": groups},
-                                 options=StateDictOptions(full_state_dict=True))
-        self.scheduler.load_state_dict(layout.neutral_scheduler(directory))
-        self._meter.track_external(self.model, self.optimizer)
+    # sharded checkpoints as the FSDP2 worker writes and reads them: `torch.distributed.checkpoint`
+    # through `get_state_dict` / `set_state_dict`, which take FSDP1 modules as they take FSDP2's
+    lr = FSDP2Backend.lr
+    save = FSDP2Backend.save
+    load = FSDP2Backend.load
+    load_neutral = FSDP2Backend.load_neutral
