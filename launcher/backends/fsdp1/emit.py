@@ -9,7 +9,7 @@
 """
 from __future__ import annotations
 
-from launcher.backends.fsdp2.emit import decoder_layer_class
+from launcher.backends.fsdp2.emit import decoder_layer_class, export_candidate
 from launcher.types import Strategy
 
 from .rules import mixed_precision, sharding_strategy
@@ -81,9 +81,7 @@ def exports(plan, config) -> tuple[list[tuple[str, str]], str]:
 
     if not any(c.strategy.backend == "fsdp1" for c in plan.candidates):
         return [], ""  # planned by name only (rules.py): nothing to say under other strategies
-    ok = [i for i, c in enumerate(plan.candidates)
-          if c.strategy.backend == "fsdp1" and c.fits and "not launchable" not in c.reason]
-    i = plan.chosen if plan.chosen in ok else (ok[0] if ok else None)
+    i = export_candidate(plan, "fsdp1")
     if i is None:
         return [], "# no FSDP1 export: no FSDP1 candidate fits"
     c = plan.candidates[i]

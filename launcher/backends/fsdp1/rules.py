@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from launcher.backends.base import Rules
-from launcher.backends.fsdp2.rules import OPTIMIZERS, PRECISIONS, mixed_precision, model_dtype  # noqa: F401
+from launcher.backends.fsdp2.rules import OPTIMIZERS, PRECISIONS, mixed_precision  # noqa: F401  (emit.py's)
 from launcher.types import Strategy
 
 BACKEND = "fsdp1"

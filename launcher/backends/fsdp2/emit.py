@@ -86,6 +86,14 @@ def decoder_layer_class(config) -> str | None:
     return ",".join(load_spec(config.model, config.cache_dir).no_split_modules) or None
 
 
+def export_candidate(plan, backend: str):
+    """The index of the candidate a backend's exports describe: the chosen one when it is the
+    backend's, else the fastest of the backend's candidates that fits and can be launched; None."""
+    ok = [i for i, c in enumerate(plan.candidates)
+          if c.strategy.backend == backend and c.fits and "not launchable" not in c.reason]
+    return plan.chosen if plan.chosen in ok else (ok[0] if ok else None)
+
+
 def exports(plan, config) -> tuple[list[tuple[str, str]], str]:
     """([(file name, text)], header line) for launcher/exports.py: the sharding plan JSON and the
     Accelerate FSDP2 config of the chosen candidate when it is an FSDP2 one, else of the fastest
@@ -94,9 +102,7 @@ def exports(plan, config) -> tuple[list[tuple[str, str]], str]:
 
     import yaml
 
-    ok = [i for i, c in enumerate(plan.candidates)
-          if c.strategy.backend == "fsdp2" and c.fits and "not launchable" not in c.reason]
-    i = plan.chosen if plan.chosen in ok else (ok[0] if ok else None)
+    i = export_candidate(plan, "fsdp2")
     if i is None:
         return [], "# no FSDP2 export: no FSDP2 candidate fits"
     c = plan.candidates[i]
