@@ -4,7 +4,8 @@
  * tests/unit/test_native_replay.py checks that both give the same result on random event streams.
  *
  * Entry points: `replay` and `replay_batches`, as allocator.py's functions of the same names.
- * Input: events (op: +1 allocate `size` bytes for `key` on stream `stream`, -1 free `key`), keys and
+ * Input: events (op: +1 allocate `size` bytes for `key` on stream `stream`, -1 free `key`, 0 restart the
+ * peaks from the current bytes: allocator.py `restart_peaks`), keys and
  * streams renumbered densely by the caller (0 <= key < num_keys, 0 <= stream < num_streams).
  * Output: out[0..5] = peak_reserved, peak_allocated, peak_needed, reserved, allocated, segment_changes.
  * Returns 0, or -1 when memory runs out on the host. */
@@ -232,6 +233,9 @@ static int start(Alloc *a, int64_t **live, int64_t num_keys, int32_t num_streams
 static void event(Alloc *a, int64_t *live, int8_t op, int64_t key, int64_t size, int32_t stream) {
     if (op > 0) {
         live[key] = alloc_block(a, size, stream);
+    } else if (op == 0) {
+        a->peak_reserved = a->reserved, a->peak_allocated = a->allocated;
+        a->peak_needed = a->reserved - a->releasable;
     } else if (live[key] >= 0) {
         free_block(a, live[key]);
         live[key] = -1;

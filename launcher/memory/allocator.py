@@ -235,12 +235,18 @@ class CachingAllocator:
                         nb.next.prev = block
         self._insert(block)
 
+    def restart_peaks(self) -> None:
+        """The peaks start again from the bytes held now: a step's peaks after the model's
+        initialization, whose cached segments stay (replay.py `init_events`)."""
+        self.peak_reserved, self.peak_allocated = self.reserved, self.allocated
+        self.peak_needed = self.reserved - self.releasable
+
 
 def replay(events, expandable_segments: bool = False, capacity: int | None = None,
            alloc: CachingAllocator | None = None) -> CachingAllocator:
     """Replay `(time, op, key, nbytes)` or `(time, op, key, nbytes, stream)` tuples in order: op +1
     allocates `nbytes` for `key` on `stream` (default 0), -1 frees `key` (unknown keys are
-    ignored). `capacity`: the device's bytes (`CachingAllocator`). `alloc`: replay into this
+    ignored), 0 restarts the peaks (`CachingAllocator.restart_peaks`). `capacity`: the device's bytes (`CachingAllocator`). `alloc`: replay into this
     allocator instead of a new one (an `events` generator may then read its state: each event is
     replayed before the next is drawn)."""
     alloc = alloc if alloc is not None else CachingAllocator(expandable_segments, capacity)
@@ -249,6 +255,8 @@ def replay(events, expandable_segments: bool = False, capacity: int | None = Non
     for e in events:
         if e[1] > 0:
             live[e[2]] = malloc(e[3], e[4] if len(e) > 4 else 0)
+        elif e[1] == 0:
+            alloc.restart_peaks()
         else:
             block = pop(e[2], None)
             if block is not None:

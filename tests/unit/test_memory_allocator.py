@@ -198,3 +198,13 @@ def test_best_fit_ties_go_to_the_older_segment_at_any_offset():
     a.free(newer)
     tail = a.malloc(12 * MiB)
     assert (tail.seg, tail.offset) == (whole.seg, 1 << 40)
+
+
+def test_a_restart_measures_the_peaks_from_there_with_the_cache_kept():
+    # op 0: the model's initialization before it (a 100 MiB storage, freed), the step after it
+    a = replay([(0, 1, "init", 100 * MiB), (1, -1, "init", 0), (2, 0, None, 0), (3, 1, "act", 30 * MiB)])
+    assert (a.peak_allocated, a.peak_reserved) == (30 * MiB, 100 * MiB)  # the 30 MiB split from the cached segment
+    # the cached segment is in use by the step now: an out-of-memory retry could not return it
+    assert a.peak_needed == 100 * MiB
+    b = replay([(0, 1, "init", 100 * MiB), (1, -1, "init", 0), (2, 0, None, 0), (3, 1, "act", 120 * MiB)])
+    assert (b.peak_allocated, b.peak_reserved, b.peak_needed) == (120 * MiB, 220 * MiB, 120 * MiB)

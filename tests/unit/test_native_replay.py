@@ -1,7 +1,7 @@
 """The compiled allocator replay (launcher/memory/_replay.c) against the Python simulator it
 compiles (allocator.py `replay`): the same counters on random event streams that exercise every
 rule (both pools, splitting, merging, streams, expandable segments, releasing cached segments at
-a capacity, a key allocated twice, frees of keys never allocated)."""
+a capacity, a key allocated twice, frees of keys never allocated, restarts of the peaks)."""
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -28,7 +28,7 @@ def streams_of_events(draw):
     keys = draw(st.integers(1, 40))
     events = []
     for _ in range(n):
-        events.append((0, draw(st.sampled_from((1, 1, -1))), draw(st.integers(-3, keys)), draw(SIZES),
+        events.append((0, draw(st.sampled_from((1, 1, 1, -1, -1, 0))), draw(st.integers(-3, keys)), draw(SIZES),
                        draw(st.sampled_from((0, 0, 1, 2)))))
     return events
 
