@@ -250,6 +250,14 @@ class TrainingConfig:
     so at most a few gradients are alive at once (torch's "How to save memory by fusing the optimizer
     step into the backward pass" tutorial; torchtune's `optimizer_in_bwd`). One unwrapped process
     (strategy=single), no gradient accumulation, no clipping, no fp16 loss scaling."""
+    built_on_device: bool = False
+    """The whole model is built (or moved) on the GPU before the framework wraps it, as scripts that
+    call `model.cuda()` before `FullyShardedDataParallel` and torchtune's first recipes
+    (`models.get_model(device=cuda)`) do; false: built on the host and moved by the framework, as
+    the launcher's workers do. With strategy=fsdp1 the plan replays that initialization through the
+    allocator: every parameter's own segment stays cached after FSDP1 flattens and shards them
+    (launcher/backends/fsdp1/layout.py). Planning only: the other strategies' plans do not depend
+    on it, and the worker always builds on the host."""
     warmup_steps: int = 0
     max_steps: int = 30
     """Optimizer steps of a run."""

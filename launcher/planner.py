@@ -111,7 +111,7 @@ def workload(config: LauncherConfig, spec: ModelSpec, micro: int) -> Workload:
                     attn_implementation=effective_attention(spec, t.attn_implementation.name)[0],
                     checkpoint_policy=t.checkpoint_policy.name, kernels="liger" if t.liger_kernel else "torch",
                     causal_lm_loss=t.causal_lm_loss.name, optimizer_in_backward=t.optimizer_in_backward,
-                    sgd_momentum=float(t.sgd_momentum))
+                    sgd_momentum=float(t.sgd_momentum), built_on_device=t.built_on_device)
 
 
 def ask(config: LauncherConfig, cluster: Cluster, env: Env, peft: str = "none") -> Ask:

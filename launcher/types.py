@@ -21,6 +21,7 @@ class Workload:
     optimizer_in_backward: bool = False  # each parameter stepped in its gradient hook (training.optimizer_in_backward)
     sgd_momentum: float = 0.9  # training.sgd_momentum (with optimizer sgd; 0 = no momentum buffers)
     grad_accum_steps: int = 1  # micro-batches per optimizer step (the memory layouts; traces do not depend on it)
+    built_on_device: bool = False  # training.built_on_device (a layout's initialization replay; not the trace)
 
     @property
     def state_optimizer(self) -> str:

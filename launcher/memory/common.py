@@ -40,6 +40,27 @@ class Term:
     param: int = -1  # the parameter it holds a copy of (ZeRO-3's gathered parameters), else -1
 
 
+@dataclass(frozen=True)
+class InitUnit:
+    """One unit of a wrapped model as its framework initializes it on the device (`Init`)."""
+    layer: int  # its decoder layer, -1 the root
+    params: tuple  # bytes of each of its parameters' own device storages, before flattening
+    flat: int  # bytes of the flat parameter they are concatenated into
+    shard: int  # bytes of this rank's shard of it, the storage the step keeps
+
+
+@dataclass(frozen=True)
+class Init:
+    """How a framework puts the model's parameters on the device before the first step, for the
+    allocator replay (replay.py `init_events`): per unit in wrap order, its parameters' device
+    copies (unless the whole model was built on the device before, `built_on_device`), the flat
+    parameter concatenated from them, the parameters freed, this rank's shard cloned, the flat
+    parameter freed. The shards are the layout's persistent term `kept`."""
+    units: tuple  # InitUnit, in wrap order
+    built_on_device: bool
+    kept: str
+
+
 @dataclass
 class Layout:
     """The traced rows as the framework runs them, plus the framework's own storages.
@@ -55,6 +76,9 @@ class Layout:
     reduce_events: int = 0
     step_events: int = 0
     terms: list = field(default_factory=list)
+    # the framework's initialization on the device before the step (`Init`, replayed through the
+    # allocator first); None: the step's replay starts from an empty cache
+    init = None
 
     @classmethod
     def of(cls, trace: StepTrace, reduce_events: int = 0, step_events: int = 0) -> "Layout":

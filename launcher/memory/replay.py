@@ -14,7 +14,7 @@ import numpy as np
 
 from launcher.environment import DEFAULT_CACHE_DIR
 from .allocator import replay_arrays, replay_batches
-from .common import CATEGORIES, KIND_CATEGORY, Layout, PhasePeaks
+from .common import CATEGORIES, KIND_CATEGORY, Init, Layout, PhasePeaks
 from .runtime import cublas_workspace_allocations
 
 
@@ -333,25 +333,29 @@ def _term_growth(shallower: Layout, deeper: Layout) -> dict:
 
 
 def allocation_events(layout: Layout, sm_arch: int, items: Items | None = None,
-                      num_events: int | None = None) -> list[tuple]:
+                      num_events: int | None = None, num_layers: int | None = None) -> list[tuple]:
     """(time, op, key, nbytes, stream) for the device storages of a layout (or `items` on a
     timeline of `num_events`, `full_depth_items`), steady state: persistent storages (alive from
     the first to the last event) are allocated once, before everything else, with the cuBLAS
     workspaces; the rest of the step is replayed twice, so the second step reuses the first
     step's segments as the real second step does. Storages left alive at the end of the first
-    replay are freed before the second. At one time, frees come before allocations."""
-    return list(zip(*(a.tolist() for a in allocation_arrays(layout, sm_arch, items, num_events))))
+    replay are freed before the second. At one time, frees come before allocations. A layout with
+    an initialization (`Layout.init`) has it replayed first, at `num_layers` layers (`init_events`;
+    default: the traced depth), its shards standing for the persistent term they make up."""
+    return list(zip(*(a.tolist() for a in allocation_arrays(layout, sm_arch, items, num_events, num_layers))))
 
 
 def allocation_arrays(layout: Layout, sm_arch: int, items: Items | None = None,
-                      num_events: int | None = None) -> tuple[np.ndarray, ...]:
-    """`allocation_events` as five arrays (time, op, key, nbytes, stream), for `replay_arrays`."""
+                      num_events: int | None = None, num_layers: int | None = None) -> tuple[np.ndarray, ...]:
+    """`allocation_events` as five arrays (time, op, key, nbytes, stream), for `replay_arrays`;
+    with the layout's initialization (`Layout.init`) at `num_layers` layers first (`init_events`;
+    default: the traced depth)."""
     n = layout.num_events if num_events is None else num_events
     items = _items(layout) if items is None else items
     if not items:
         return (np.full(len(cublas_workspace_allocations(sm_arch)), -1), *_first_events(sm_arch))
     nbytes, persistent, key, ops, at, stream = _timeline(items, n)
-    first = _first_events(sm_arch, nbytes, persistent, stream)
+    first = _first_events(sm_arch, nbytes, persistent, stream, _init_for(layout, items, num_layers))
     steps = [(at + rep * (n + 1), key + (rep + 1) * len(items)) for rep in range(2)]
     return (np.concatenate([np.full(len(first[0]), -1)] + [t for t, _ in steps]),
             np.concatenate([first[0], ops, ops]),
@@ -360,16 +364,74 @@ def allocation_arrays(layout: Layout, sm_arch: int, items: Items | None = None,
             np.concatenate([first[3], stream[key], stream[key]]))
 
 
-def _first_events(sm_arch: int, nbytes=None, persistent=None, stream=None) -> tuple[np.ndarray, ...]:
-    """The replay's first allocations (op, key, nbytes, stream): the cuBLAS workspaces (keys -1,
-    -2, ...), then the persistent storages (`_timeline`; keyed by their item numbers)."""
+INIT_KEY = -(1 << 40)  # the initialization's keys count down from here, below the cuBLAS workspaces' -1, -2...
+
+
+def init_events(init: Init, depth: int, num_layers: int) -> tuple[np.ndarray, ...]:
+    """(op, key, nbytes, stream) of a framework's initialization of the model on the device
+    (`Init`) at `num_layers` layers, traced at `depth`: the unit of the second-to-last traced layer
+    repeated for the inserted layers, as `full_depth_items` repeats its step. When the model was
+    built on the device, every parameter's storage is allocated first (in wrap order). Then per
+    unit: its parameters' device copies (unless built there), the flat parameter, the parameters
+    freed, this rank's shard (never freed: the step's parameters), the flat parameter freed. A
+    last event (op 0) restarts the replay's peaks, so the step's peaks are measured with the
+    initialization's cached segments in reserved."""
+    k = max(0, num_layers - depth)
+    units = [u for x in init.units for u in [x] * (k + 1 if x.layer == depth - 2 else 1)]
+    keys = iter(range(INIT_KEY, INIT_KEY - (1 << 30), -1))
+    ops, ks, nb = [], [], []
+
+    def ev(op: int, key: int, nbytes: int) -> None:
+        ops.append(op), ks.append(key), nb.append(nbytes)
+
+    param_keys = [[next(keys) for _ in u.params] for u in units]
+    if init.built_on_device:
+        for u, pk in zip(units, param_keys):
+            for key, nbytes in zip(pk, u.params):
+                ev(1, key, nbytes)
+    for u, pk in zip(units, param_keys):
+        if not init.built_on_device:
+            for key, nbytes in zip(pk, u.params):
+                ev(1, key, nbytes)
+        flat = next(keys)
+        ev(1, flat, u.flat)
+        for key, nbytes in zip(pk, u.params):
+            ev(-1, key, nbytes)
+        ev(1, next(keys), u.shard)
+        ev(-1, flat, u.flat)
+    ev(0, INIT_KEY, 0)
+    return (np.array(ops, np.int64), np.array(ks, np.int64), np.array(nb, np.int64),
+            np.zeros(len(ops), np.int64))
+
+
+def _init_for(layout: Layout, items: Items, num_layers: int | None):
+    """(`init_events` of the layout's initialization, which items its kept shards stand for: the
+    `Init.kept` term's), or None without one."""
+    init = layout.init
+    if init is None:
+        return None
+    depth = layout.trace.num_layers
+    is_kept = np.array([key[0] == "term" and layout.terms[key[1]].name == init.kept for key in items.keys], bool)
+    return init_events(init, depth, max(depth, num_layers or depth)), is_kept[items.base]
+
+
+def _first_events(sm_arch: int, nbytes=None, persistent=None, stream=None, init=None) -> tuple[np.ndarray, ...]:
+    """The replay's first allocations (op, key, nbytes, stream): the initialization's events
+    (`_init_for`; its restart of the peaks moved to the end), the cuBLAS workspaces (keys -1, -2,
+    ...), then the persistent storages (`_timeline`; keyed by their item numbers) but those the
+    initialization's kept shards stand for."""
     workspaces = np.array(cublas_workspace_allocations(sm_arch), np.int64)
     if persistent is None:
         persistent = nbytes = stream = np.zeros(0, np.int64)
-    return (np.ones(len(workspaces) + len(persistent), np.int64),
-            np.concatenate([-1 - np.arange(len(workspaces)), persistent]),
-            np.concatenate([workspaces, nbytes[persistent]]),
-            np.concatenate([np.zeros(len(workspaces), np.int64), stream[persistent]]))
+    if init is not None:
+        persistent = persistent[~init[1][persistent]]
+    first = (np.ones(len(workspaces) + len(persistent), np.int64),
+             np.concatenate([-1 - np.arange(len(workspaces)), persistent]),
+             np.concatenate([workspaces, nbytes[persistent]]),
+             np.concatenate([np.zeros(len(workspaces), np.int64), stream[persistent]]))
+    if init is None:
+        return first
+    return tuple(np.concatenate([h[:-1], f, h[-1:]]) for h, f in zip(init[0], first))
 
 
 def _timeline(items: Items, n: int):
@@ -423,7 +485,8 @@ def held_cache(deeper: Layout, sm_arch: int, expandable_segments: bool = False, 
     held = memo.get(key) if key is not None else None
     if held is None:  # a remembered replay rebuilds nothing
         full = full_depth_items(shallower, deeper, num_layers) if rebuild else None
-        replayed = replay_arrays(*allocation_arrays(deeper, sm_arch, *(full or ()))[1:], expandable_segments)
+        replayed = replay_arrays(*allocation_arrays(deeper, sm_arch, *(full or ()), num_layers=num_layers if full
+                                                    else None)[1:], expandable_segments)
         held = (replayed.peak_reserved - replayed.peak_allocated,
                 max(0, replayed.peak_needed - replayed.peak_allocated))
         if key is not None:
@@ -455,8 +518,8 @@ def varlen_held_cache(long: tuple, short: tuple, lengths: list[int], sm_arch: in
         rebuild = shallower is not None and num_layers and num_layers > deeper.trace.num_layers
         full = full_depth_items(shallower, deeper, num_layers) if rebuild else None
         items, n = full or (_items(deeper), deeper.num_events)
-        sides.append((items, n, tokens, deeper))
-    (items_a, n, len_a, deeper), (items_b, n_b, len_b, _) = sides
+        sides.append((items, n, tokens, deeper, num_layers if full else None))
+    (items_a, n, len_a, deeper, depth), (items_b, n_b, len_b, _, _) = sides
     same = ("start", "end", "stream", "base", "copy")
     if n != n_b or len(items_a) != len(items_b) or len_a == len_b or items_a.keys != items_b.keys or not all(
             np.array_equal(getattr(items_a, f), getattr(items_b, f)) for f in same):
@@ -471,7 +534,8 @@ def varlen_held_cache(long: tuple, short: tuple, lengths: list[int], sm_arch: in
         held = memo.get(key)
         if held is not None:
             return held
-    held = varlen_replay(items_a, items_b, n, len_a, len_b, lengths, sm_arch, expandable_segments, capacity)
+    held = varlen_replay(items_a, items_b, n, len_a, len_b, lengths, sm_arch, expandable_segments, capacity,
+                         _init_for(deeper, items_a, depth))
     if key is not None:
         memo.put(key, held)
     return held
@@ -479,7 +543,7 @@ def varlen_held_cache(long: tuple, short: tuple, lengths: list[int], sm_arch: in
 
 def varlen_replay(items_a: Items, items_b: Items, n: int, len_a: int, len_b: int,
                   lengths: list[int], sm_arch: int, expandable_segments: bool = False,
-                  capacity: int | None = None) -> tuple[int, int]:
+                  capacity: int | None = None, init=None) -> tuple[int, int]:
     """(held, needed) of `varlen_held_cache` from the step's storages at two lengths (`items_a`
     at `len_a` tokens, `items_b` at `len_b`: the same storages with the same lifetimes on a
     timeline of `n` events), replayed as one stream of events, one batch per length
@@ -491,7 +555,7 @@ def varlen_replay(items_a: Items, items_b: Items, n: int, len_a: int, len_b: int
     slope = (nbytes_a - nbytes_b) / (len_a - len_b)
     distinct, sequence = np.unique(np.asarray(lengths, np.int64), return_inverse=True)
     sizes = np.maximum(np.rint(nbytes_b + slope * (distinct[:, None] - len_b)).astype(np.int64), 0)[:, order]
-    first = _first_events(sm_arch, nbytes_a, persistent, stream)
+    first = _first_events(sm_arch, nbytes_a, persistent, stream, init)
     # each batch frees its storages by its end: its keys are reused
     replayed = replay_batches(first, (ops, order + len(items_a), stream[order]), sizes, sequence,
                               expandable_segments, capacity)
@@ -546,7 +610,7 @@ class ReplayMemo:
                              depth,
                              cublas_workspace_allocations(sm_arch), len(rows),
                              [(term.start, term.end, term.nbytes, term.stream)
-                              for term in layout.terms if not term.host]]
+                              for term in layout.terms if not term.host], repr(layout.init)]
                             ).encode())
         for arr in (layout.alloc[rows], layout.free[rows], t.nbytes[rows]):
             h.update(np.ascontiguousarray(arr, np.int64).tobytes())

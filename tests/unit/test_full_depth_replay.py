@@ -22,7 +22,7 @@ from launcher.types import Strategy, Workload  # noqa: E402
 DEPTH = 6
 STRATEGIES = {"single": Strategy("single", "ddp"), "ddp": Strategy("ddp", "ddp"),
               "zero2": Strategy("zero2", "deepspeed", 2), "zero3": Strategy("zero3", "deepspeed", 3),
-              "fsdp2": Strategy("fsdp2", "fsdp2")}
+              "fsdp2": Strategy("fsdp2", "fsdp2"), "fsdp1": Strategy("fsdp1", "fsdp1")}
 
 
 def _traces(strategy: Strategy, checkpointing: bool) -> dict:
@@ -42,32 +42,37 @@ def _layouts(t: dict, a: int, b: int, strategy: Strategy, wl: Workload):
 
 
 @pytest.mark.parametrize("name,checkpointing", [("single", False), ("single", True), ("ddp", True),
-                                                ("zero2", False), ("zero3", False), ("fsdp2", False)])
+                                                ("zero2", False), ("zero3", False), ("fsdp2", False),
+                                                ("fsdp1", False), ("fsdp1", True)])  # fsdp1: built_on_device
 def test_a_step_rebuilt_at_depth_replays_like_the_step_traced_there(name, checkpointing):
     strategy = STRATEGIES[name]
-    wl, t = _traces(strategy, checkpointing)
+    wl, t = _traces(strategy, checkpointing if name != "fsdp1" else False)
+    if name == "fsdp1":  # with and without the model built on the device before FSDP1 wraps it
+        wl = dataclasses.replace(wl, built_on_device=checkpointing)
     shallow, deep = _layouts(t, 2, 3, strategy, wl)
     real = _layouts(t, DEPTH - 1, DEPTH, strategy, wl)[1]
     rebuilt_items, num_events = full_depth_items(shallow, deep, DEPTH)
     items = rebuilt_items.tuples()
-    # the same storages: sizes and streams, and the same number of them (FSDP2: its backward
-    # prefetch of the middle block is issued before that block, so the rebuilt step lacks the
-    # inserted blocks' backward all-gather buffers; replay.py `full_depth_items`)
+    # the same storages: sizes and streams, and the same number of them (FSDP2 and FSDP1: a
+    # block's backward prefetch of the middle block is issued before that block, so the rebuilt
+    # step lacks the inserted blocks' backward all-gather buffers, and holds one more copy of an
+    # activation instead; replay.py `full_depth_items`)
     sizes = collections.Counter((i[3], i[4]) for i in items) - collections.Counter((i[3], i[4]) for i in _items(real).tuples())
-    assert not sizes if name != "fsdp2" else set(sizes) <= {(16384, 0)}
+    assert not sizes if not name.startswith("fsdp") else set(sizes) <= {(16384, 0), (32768, 0)}
     # the forward and backward blocks of one layer are what a layer adds to the trace (FSDP2's
     # layout inserts its own events at each block's boundaries)
     fl, bl = layer_blocks(shallow, deep)
     per_layer = {ph: (t[3].layer_bounds[ph][1] - t[3].layer_bounds[ph][0])
                  - (t[2].layer_bounds[ph][1] - t[2].layer_bounds[ph][0]) for ph in ("forward", "backward")}
-    if name != "fsdp2":
+    if not name.startswith("fsdp"):
         assert (fl, bl) == (per_layer["forward"], per_layer["backward"])
     if name == "single" and not checkpointing:  # forward and backward event by event, from the start of forward
         def steps(its, lay, shift):
             a, b = lay.phases["forward"][0], lay.phases["backward"][1] + shift
             return collections.Counter((i[0] - a, i[1] - a, i[3]) for i in its if a <= i[0] and i[1] <= b)
         assert steps(items, deep, (DEPTH - 3) * (fl + bl)) == steps(_items(real).tuples(), real, 0)
-    rebuilt = replay(allocation_events(deep, 80, rebuilt_items, num_events))
+    # FSDP1's initialization on the device (`Layout.init`) is replayed first, at the real depth
+    rebuilt = replay(allocation_events(deep, 80, rebuilt_items, num_events, DEPTH))
     traced = replay(allocation_events(real, 80))
     assert (rebuilt.peak_reserved, rebuilt.peak_needed) == (traced.peak_reserved, traced.peak_needed)
     # ZeRO-3's 16-bit model: a tensor of the second-to-last layer that the last layer frees when

@@ -40,6 +40,15 @@ and the root (embeddings, final norm, LM head), as `ModuleWrapPolicy` wraps them
   end, where nothing is allocated before that. The root's hook runs after the last traced backward
   event (its embedding gradient is the step's last).
 
+Before the step (`Layout.init`, replayed through the allocator first: launcher/memory/replay.py
+`init_events`), each unit in wrap order (the blocks, then the root) is put on the device by
+`_init_param_handle_from_module` (_init_utils.py): `_move_module_to_device` copies the unit's
+parameters still on the host to `device_id` one by one (the worker's model is built on the host;
+with `training.built_on_device` they are all there already, built before wrapping), the
+`FlatParamHandle` concatenates them into the flat parameter (`flatten_tensors`: `torch.cat`), the
+parameters become its views (their storages freed), and `shard` clones this rank's chunk
+(`_get_shard`: `chunk.clone()`) and frees the flat parameter (`_typed_storage()._resize_(0)`).
+
 Under gradient accumulation every micro-batch reduce-scatters (the worker never skips the sync);
 the laid-out micro-batch is the last, its new shard added into `_saved_grad_shard` and freed.
 """
@@ -53,7 +62,7 @@ from launcher.backends.base import LayoutSet
 from launcher.backends.fsdp1.comm import as_fsdp2
 from launcher.backends.fsdp1.rules import reshard_after_forward
 from launcher.backends.fsdp2 import layout as fsdp2
-from launcher.memory.common import (DTYPE_BYTES, distinct_params, optimizer_state_numel_factor,
+from launcher.memory.common import (DTYPE_BYTES, Init, InitUnit, distinct_params, optimizer_state_numel_factor,
                                     optimizer_step_scalar_bytes, optimizer_step_temp_numel)
 from launcher.steptrace import Kind, StepTrace
 from launcher.types import Strategy
@@ -74,6 +83,7 @@ class FSDP1Setup:
     reduce_bytes: int  # MixedPrecision reduce_dtype, else the compute dtype
     optimizer: str = "adamw_torch"
     grad_accum_steps: int = 1
+    built_on_device: bool = False  # training.built_on_device: the whole model on the device before wrapping
 
 
 @dataclass
@@ -144,6 +154,9 @@ def fsdp1_layout(trace: StepTrace, s: FSDP1Setup) -> fsdp2.FSDP2Layout:
     trainable = trace.params.trainable
 
     lay.add("sharded_params", "parameters", sum(u.numel for u in us.values()) // W * sb)
+    lay.init = Init(tuple(InitUnit(u.layer, tuple(int(trace.params.numel[i]) * sb for i in u.params),
+                                   u.numel * sb, u.shard * sb) for u in [*blocks, root] if u.params),
+                    s.built_on_device, kept="sharded_params")
     locals_ = [x for u in us.values() for x in u.local(r, trainable)]
     lay.add("optimizer_states", "optimizer_states", optimizer_state_numel_factor(s.optimizer) * sum(locals_) * sb
             + optimizer_step_scalar_bytes(s.optimizer, sum(1 for x in locals_ if x)))
@@ -213,6 +226,20 @@ NOTES = (
 )
 
 
+INIT_NOTE = (
+    "GPU reserved: the initialization is replayed through the allocator before the step: FSDP1 copies "
+    "each unit's parameters from the host to the GPU, concatenates them into its flat parameter and "
+    "keeps this rank's shard (_init_utils.py `_move_module_to_device`, _flat_param.py `shard`); the "
+    "blocks it frees stay cached for the step to reuse.")
+BUILT_ON_DEVICE_NOTE = (
+    "GPU reserved: the whole model is on the GPU before FSDP1 wraps it (training.built_on_device), and "
+    "that initialization is replayed through the allocator before the step. Each parameter's own segment "
+    "stays cached after FSDP1 flattens and shards it, and the step's larger requests (flat shards, "
+    "gathered units) cannot reuse it. Reserved and device total include what is left of it. The fit "
+    "check counts only the segments the step's own blocks are split from: an out-of-memory retry "
+    "releases a wholly free cached segment (CUDACachingAllocator.cpp release_cached_blocks).")
+
+
 MIXED_UNIT_NOTE = (
     "LoRA under FSDP1: one unit per decoder layer holding the frozen base and the adapters (Accelerate's "
     "TRANSFORMER_BASED_WRAP, what the worker runs), so autograd computes the frozen weights' gradients too "
@@ -233,7 +260,7 @@ def setup(strategy: Strategy, workload, dp: int, rank: int) -> FSDP1Setup:
     return FSDP1Setup(world=dp, rank=rank, reshard_after_forward=reshard_after_forward(strategy),
                       compute_bytes=s2.compute_bytes, shard_bytes=s2.shard_bytes,
                       reduce_bytes=s2.reduce_bytes or s2.compute_bytes, optimizer=s2.optimizer,
-                      grad_accum_steps=s2.grad_accum_steps)
+                      grad_accum_steps=s2.grad_accum_steps, built_on_device=workload.built_on_device)
 
 
 def memory(traces, strategy: Strategy, workload, knobs, dp: int, device: str) -> LayoutSet:
@@ -251,5 +278,6 @@ def memory(traces, strategy: Strategy, workload, knobs, dp: int, device: str) ->
                  tuple(fsdp1_layout(t, setup(strategy, workload, dp, ranks[0])) for t in depths))
                 for ranks in keyed.values())
     t = traces.depth1
+    init = (BUILT_ON_DEVICE_NOTE if workload.built_on_device else INIT_NOTE,)
     mixed = any(0 < sum(bool(t.params.trainable[p]) for p in u.params) < len(u.params) for u in per_depth[0])
-    return LayoutSet(groups=out, traces=traces, notes=NOTES + (MIXED_UNIT_NOTE,) * mixed)
+    return LayoutSet(groups=out, traces=traces, notes=NOTES + init + (MIXED_UNIT_NOTE,) * mixed)
