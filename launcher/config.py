@@ -254,10 +254,12 @@ class TrainingConfig:
     """The whole model is built (or moved) on the GPU before the framework wraps it, as scripts that
     call `model.cuda()` before `FullyShardedDataParallel` and torchtune's first recipes
     (`models.get_model(device=cuda)`) do; false: built on the host and moved by the framework, as
-    the launcher's workers do. With strategy=fsdp1 the plan replays that initialization through the
-    allocator: every parameter's own segment stays cached after FSDP1 flattens and shards them
-    (launcher/backends/fsdp1/layout.py). Planning only: the other strategies' plans do not depend
-    on it, and the worker always builds on the host."""
+    the launcher's workers do. FSDP1 and FSDP2 plans replay the initialization through the
+    allocator before the step; built on the device, every parameter's own segment stays cached
+    after the framework shards it (launcher/backends/fsdp1/layout.py, fsdp2/layout.py
+    `initialization`). Planning only: the other strategies' plans do not depend on it (DDP and
+    single keep the parameters as built; DeepSpeed moves them to the host before flattening and
+    empties the cache), and the worker always builds on the host."""
     warmup_steps: int = 0
     max_steps: int = 30
     """Optimizer steps of a run."""

@@ -44,18 +44,19 @@ class Term:
 class InitUnit:
     """One unit of a wrapped model as its framework initializes it on the device (`Init`)."""
     layer: int  # its decoder layer, -1 the root
-    params: tuple  # bytes of each of its parameters' own device storages, before flattening
-    flat: int  # bytes of the flat parameter they are concatenated into
-    shard: int  # bytes of this rank's shard of it, the storage the step keeps
+    params: tuple  # bytes of each of its parameters' own device storages, before sharding
+    shards: tuple  # bytes of each storage this rank keeps from them: the step's parameters
+    flat: int = 0  # bytes of the flat parameter they are concatenated into first (FSDP1); 0: none
 
 
 @dataclass(frozen=True)
 class Init:
     """How a framework puts the model's parameters on the device before the first step, for the
     allocator replay (replay.py `init_events`): per unit in wrap order, its parameters' device
-    copies (unless the whole model was built on the device before, `built_on_device`), the flat
-    parameter concatenated from them, the parameters freed, this rank's shard cloned, the flat
-    parameter freed. The shards are the layout's persistent term `kept`."""
+    copies (unless the whole model was built on the device before, `built_on_device`), then
+    either the flat parameter concatenated from them, the parameters freed, this rank's shard
+    cloned and the flat parameter freed (FSDP1), or each parameter's shard, then the parameters
+    freed (FSDP2). The shards are the layout's persistent term `kept`."""
     units: tuple  # InitUnit, in wrap order
     built_on_device: bool
     kept: str

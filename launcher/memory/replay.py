@@ -372,10 +372,11 @@ def init_events(init: Init, depth: int, num_layers: int) -> tuple[np.ndarray, ..
     (`Init`) at `num_layers` layers, traced at `depth`: the unit of the second-to-last traced layer
     repeated for the inserted layers, as `full_depth_items` repeats its step. When the model was
     built on the device, every parameter's storage is allocated first (in wrap order). Then per
-    unit: its parameters' device copies (unless built there), the flat parameter, the parameters
-    freed, this rank's shard (never freed: the step's parameters), the flat parameter freed. A
-    last event (op 0) restarts the replay's peaks, so the step's peaks are measured with the
-    initialization's cached segments in reserved."""
+    unit: its parameters' device copies (unless built there); with a flat parameter, the flat
+    parameter, the parameters freed, this rank's shard, the flat parameter freed; without one,
+    each parameter's shard, then the parameters freed. Shards are never freed: they are the
+    step's parameters. A last event (op 0) restarts the replay's peaks, so the step's peaks are
+    measured with the initialization's cached segments in reserved."""
     k = max(0, num_layers - depth)
     units = [u for x in init.units for u in [x] * (k + 1 if x.layer == depth - 2 else 1)]
     keys = iter(range(INIT_KEY, INIT_KEY - (1 << 30), -1))
@@ -393,12 +394,18 @@ def init_events(init: Init, depth: int, num_layers: int) -> tuple[np.ndarray, ..
         if not init.built_on_device:
             for key, nbytes in zip(pk, u.params):
                 ev(1, key, nbytes)
-        flat = next(keys)
-        ev(1, flat, u.flat)
-        for key, nbytes in zip(pk, u.params):
-            ev(-1, key, nbytes)
-        ev(1, next(keys), u.shard)
-        ev(-1, flat, u.flat)
+        flat = next(keys) if u.flat else None
+        if flat is not None:
+            ev(1, flat, u.flat)
+            for key, nbytes in zip(pk, u.params):
+                ev(-1, key, nbytes)
+        for nbytes in u.shards:
+            ev(1, next(keys), nbytes)
+        if flat is not None:
+            ev(-1, flat, u.flat)
+        else:
+            for key, nbytes in zip(pk, u.params):
+                ev(-1, key, nbytes)
     ev(0, INIT_KEY, 0)
     return (np.array(ops, np.int64), np.array(ks, np.int64), np.array(nb, np.int64),
             np.zeros(len(ops), np.int64))

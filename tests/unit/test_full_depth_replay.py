@@ -41,14 +41,14 @@ def _layouts(t: dict, a: int, b: int, strategy: Strategy, wl: Workload):
     return layout_set(TraceSet(t[a], t[b], DEPTH), strategy, wl, knobs(deepspeed=ds), 2, "cuda").groups[0][1]
 
 
-@pytest.mark.parametrize("name,checkpointing", [("single", False), ("single", True), ("ddp", True),
-                                                ("zero2", False), ("zero3", False), ("fsdp2", False),
-                                                ("fsdp1", False), ("fsdp1", True)])  # fsdp1: built_on_device
-def test_a_step_rebuilt_at_depth_replays_like_the_step_traced_there(name, checkpointing):
+@pytest.mark.parametrize("name,checkpointing,built_on_device", [
+    ("single", False, False), ("single", True, False), ("ddp", True, False), ("zero2", False, False),
+    ("zero3", False, False), ("fsdp2", False, False), ("fsdp2", False, True), ("fsdp1", False, False),
+    ("fsdp1", False, True)])
+def test_a_step_rebuilt_at_depth_replays_like_the_step_traced_there(name, checkpointing, built_on_device):
     strategy = STRATEGIES[name]
-    wl, t = _traces(strategy, checkpointing if name != "fsdp1" else False)
-    if name == "fsdp1":  # with and without the model built on the device before FSDP1 wraps it
-        wl = dataclasses.replace(wl, built_on_device=checkpointing)
+    wl, t = _traces(strategy, checkpointing)
+    wl = dataclasses.replace(wl, built_on_device=built_on_device)  # the model on the device before wrapping
     shallow, deep = _layouts(t, 2, 3, strategy, wl)
     real = _layouts(t, DEPTH - 1, DEPTH, strategy, wl)[1]
     rebuilt_items, num_events = full_depth_items(shallow, deep, DEPTH)
@@ -71,7 +71,7 @@ def test_a_step_rebuilt_at_depth_replays_like_the_step_traced_there(name, checkp
             a, b = lay.phases["forward"][0], lay.phases["backward"][1] + shift
             return collections.Counter((i[0] - a, i[1] - a, i[3]) for i in its if a <= i[0] and i[1] <= b)
         assert steps(items, deep, (DEPTH - 3) * (fl + bl)) == steps(_items(real).tuples(), real, 0)
-    # FSDP1's initialization on the device (`Layout.init`) is replayed first, at the real depth
+    # FSDP's initialization on the device (`Layout.init`) is replayed first, at the real depth
     rebuilt = replay(allocation_events(deep, 80, rebuilt_items, num_events, DEPTH))
     traced = replay(allocation_events(real, 80))
     assert (rebuilt.peak_reserved, rebuilt.peak_needed) == (traced.peak_reserved, traced.peak_needed)

@@ -155,7 +155,7 @@ def fsdp1_layout(trace: StepTrace, s: FSDP1Setup) -> fsdp2.FSDP2Layout:
 
     lay.add("sharded_params", "parameters", sum(u.numel for u in us.values()) // W * sb)
     lay.init = Init(tuple(InitUnit(u.layer, tuple(int(trace.params.numel[i]) * sb for i in u.params),
-                                   u.numel * sb, u.shard * sb) for u in [*blocks, root] if u.params),
+                                   (u.shard * sb,), flat=u.numel * sb) for u in [*blocks, root] if u.params),
                     s.built_on_device, kept="sharded_params")
     locals_ = [x for u in us.values() for x in u.local(r, trainable)]
     lay.add("optimizer_states", "optimizer_states", optimizer_state_numel_factor(s.optimizer) * sum(locals_) * sb
@@ -226,18 +226,7 @@ NOTES = (
 )
 
 
-INIT_NOTE = (
-    "GPU reserved: the initialization is replayed through the allocator before the step: FSDP1 copies "
-    "each unit's parameters from the host to the GPU, concatenates them into its flat parameter and "
-    "keeps this rank's shard (_init_utils.py `_move_module_to_device`, _flat_param.py `shard`); the "
-    "blocks it frees stay cached for the step to reuse.")
-BUILT_ON_DEVICE_NOTE = (
-    "GPU reserved: the whole model is on the GPU before FSDP1 wraps it (training.built_on_device), and "
-    "that initialization is replayed through the allocator before the step. Each parameter's own segment "
-    "stays cached after FSDP1 flattens and shards it, and the step's larger requests (flat shards, "
-    "gathered units) cannot reuse it. Reserved and device total include what is left of it. The fit "
-    "check counts only the segments the step's own blocks are split from: an out-of-memory retry "
-    "releases a wholly free cached segment (CUDACachingAllocator.cpp release_cached_blocks).")
+INIT_SOURCE = "_init_utils.py `_move_module_to_device`, _flat_param.py `FlatParamHandle.shard`"
 
 
 MIXED_UNIT_NOTE = (
@@ -278,6 +267,6 @@ def memory(traces, strategy: Strategy, workload, knobs, dp: int, device: str) ->
                  tuple(fsdp1_layout(t, setup(strategy, workload, dp, ranks[0])) for t in depths))
                 for ranks in keyed.values())
     t = traces.depth1
-    init = (BUILT_ON_DEVICE_NOTE if workload.built_on_device else INIT_NOTE,)
+    init = (fsdp2.init_note("FSDP1", workload.built_on_device, INIT_SOURCE),)
     mixed = any(0 < sum(bool(t.params.trainable[p]) for p in u.params) < len(u.params) for u in per_depth[0])
     return LayoutSet(groups=out, traces=traces, notes=NOTES + init + (MIXED_UNIT_NOTE,) * mixed)

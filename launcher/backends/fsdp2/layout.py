@@ -63,8 +63,8 @@ import numpy as np
 
 from launcher.backends.base import LayoutSet
 from launcher.backends.fsdp2.rules import mixed_precision, model_dtype, reshard_after_forward
-from launcher.memory.common import (DTYPE_BYTES, Layout, distinct_params, four_bit_params, grad_ready_order,
-                                    optimizer_state_numel_factor, optimizer_step_scalar_bytes,
+from launcher.memory.common import (DTYPE_BYTES, Init, InitUnit, Layout, distinct_params, four_bit_params,
+                                    grad_ready_order, optimizer_state_numel_factor, optimizer_step_scalar_bytes,
                                     optimizer_step_temp_numel)
 from launcher.steptrace import Kind, StepTrace
 from launcher.types import Strategy
@@ -87,6 +87,8 @@ class FSDP2Setup:
     offload: bool = False  # CPUOffloadPolicy: shards, sharded gradients and the step on the host
     frozen_bytes: int = 0  # bytes per element of frozen parameters' shards; 0: shard_bytes (sharded QLoRA: compute)
     grad_accum_steps: int = 1  # micro-batches per step, each reduce-scattered (the worker never skips the sync)
+    built_on_device: bool = False  # training.built_on_device: the whole model on the device before fully_shard
+    replay_init: bool = True  # the initialization is replayed (`Layout.init`): not with offload or TP
 
 
 def _shape(trace: StepTrace, i: int, four_bit: dict | None = None) -> tuple:
@@ -159,6 +161,18 @@ def groups(trace: StepTrace, world: int, s: FSDP2Setup | None = None) -> dict:
             g.reduce_bytes += padded * (s.reduce_bytes or own)
             g.trainable_local_bytes = [a + b * own for a, b in zip(g.trainable_local_bytes, local)]
     return out
+
+
+def initialization(trace: StepTrace, units: list, s: FSDP2Setup) -> Init:
+    """fully_shard's initialization of the units in wrap order (the blocks, then the root), for the
+    allocator replay (`Layout.init`): `_move_states_to_device` (_fsdp_init.py) copies the unit's
+    parameters still on the host to the device (`tensor.data = tensor.to(device)`; with
+    `training.built_on_device` they are all there already), each `FSDPParam` allocates its padded
+    shard and copies its chunk in (_fsdp_param.py `_init_sharded_param`: `new_zeros`, `copy_`),
+    and the device copies are freed when `fully_shard` returns and drops its list of them."""
+    return Init(tuple(InitUnit(g.layer, tuple(int(trace.params.numel[i]) * own_bytes(trace, i, s) for i in g.params),
+                               tuple(n * own_bytes(trace, i, s) for n, i in zip(g.numels, g.params)))
+                      for g in units if g.params), s.built_on_device, kept="sharded_params")
 
 
 def own_bytes(trace: StepTrace, i: int, s: FSDP2Setup) -> int:
@@ -300,6 +314,8 @@ def fsdp2_layout(trace: StepTrace, s: FSDP2Setup) -> FSDP2Layout:
     # trainable parameters); in host memory under CPUOffloadPolicy (_fsdp_param.py
     # `_init_sharded_param`: `padded_sharded_param.cpu()`, pinned; the optimizer steps them there)
     lay.add("sharded_params", "parameters", sum(g.shard_bytes for g in gs.values()), host=s.offload)
+    if s.replay_init and not four_bit_params(trace):
+        lay.init = initialization(trace, [*blocks, root], s)
     quant_state = sum(q for _, q in four_bit_params(trace).values())
     if quant_state:  # replicated on every rank, outside the shards (`four_bit_params`)
         lay.add("quant_state", "parameters", quant_state)
@@ -419,6 +435,24 @@ NOTES = (
 )
 
 
+def init_note(framework: str, built_on_device: bool, source: str) -> str:
+    """The plan's note on the initialization replayed before the step (`Layout.init`)."""
+    if built_on_device:
+        return (f"GPU reserved: the whole model is on the GPU before {framework} wraps it "
+                "(training.built_on_device), and that initialization is replayed through the allocator before "
+                f"the step ({source}). Each parameter's own segment stays cached after {framework} shards it, "
+                "and the step's requests larger than it cannot reuse it. Reserved and device total include "
+                "what is left of it. The fit check counts only the segments the step's own blocks are split "
+                "from: an out-of-memory retry releases a wholly free cached segment (CUDACachingAllocator.cpp "
+                "release_cached_blocks).")
+    return (f"GPU reserved: {framework}'s initialization is replayed through the allocator before the step: it "
+            f"copies each unit's parameters from the host to the GPU and keeps this rank's shards ({source}); "
+            "the blocks it frees stay cached for the step to reuse.")
+
+
+INIT_SOURCE = "_fsdp_init.py `_move_states_to_device`, _fsdp_param.py `_init_sharded_param`"
+
+
 QLORA_NOTE = (
     "Sharded QLoRA: the 4-bit weights are stored as compute-dtype elements (bitsandbytes quant_storage) "
     "and sharded, gathered and freed like the other frozen parameters; their quantization states "
@@ -449,7 +483,9 @@ def setup(strategy: Strategy, workload, dp: int, rank: int, frozen_bytes: int = 
                       reduce_bytes=DTYPE_BYTES[mp["reduce_dtype"] or mp["param_dtype"]] if mp["param_dtype"] else 0,
                       cast=compute != shard,
                       optimizer=workload.state_optimizer, offload=strategy.offload_params,
-                      frozen_bytes=frozen_bytes, grad_accum_steps=workload.grad_accum_steps)
+                      frozen_bytes=frozen_bytes, grad_accum_steps=workload.grad_accum_steps,
+                      built_on_device=workload.built_on_device,
+                      replay_init=not strategy.offload_params and strategy.tp_size == 1)
 
 
 def memory(traces, strategy: Strategy, workload, knobs, dp: int, device: str) -> LayoutSet:
@@ -466,4 +502,6 @@ def memory(traces, strategy: Strategy, workload, knobs, dp: int, device: str) ->
     out = tuple((tuple(ranks) if len(keyed) > 1 else (),
                  tuple(fsdp2_layout(t, setup(strategy, workload, dp, ranks[0], frozen)) for t in depths))
                 for ranks in keyed.values())
-    return LayoutSet(groups=out, traces=traces, notes=NOTES + (QLORA_NOTE,) * bool(four_bit))
+    replayed = out[0][1][0].init is not None
+    init = (init_note("FSDP2", workload.built_on_device, INIT_SOURCE),) if replayed else ()
+    return LayoutSet(groups=out, traces=traces, notes=NOTES + init + (QLORA_NOTE,) * bool(four_bit))
