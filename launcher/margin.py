@@ -46,7 +46,7 @@ def resolve(safety_margin: float | None, device: str) -> float:
     if device == "cpu":
         return CPU_MARGIN
     errors = underestimates()
-    return round(quantile(errors, QUANTILE), 4) if errors else FALLBACK_MARGIN
+    return quantile(errors, QUANTILE) if errors else FALLBACK_MARGIN  # not rounded: it must cover its own row
 
 
 def confidence_note(needed: int, capacity: int) -> str:
