@@ -72,3 +72,19 @@ def tp_comm_s(strategy, workload, cluster, spec, accum: int, elem: int) -> float
     act_bytes = workload.micro_batch_size * workload.seq_len * spec.hidden_size * elem
     per_call = ring_time_s(act_bytes, strategy.tp_size, cluster.intra_node_bandwidth_gbps, "all_reduce")
     return calls * (per_call + cluster.collective_latency_s)
+
+
+def fill_buckets(sizes, bucket_numel: float) -> list[list[int]]:
+    """Indices of `sizes` (gradients in the order their hooks run) grouped by the reduce bucket
+    that reduces them: a gradient that would overflow a non-empty bucket flushes it first, so a
+    gradient larger than the bucket goes alone (stage_1_and_2.py
+    `reduce_independent_p_g_buckets_and_remove_grads`: `bucket.elements + param.numel() >
+    reduce_bucket_size`; stage3.py and ColossalAI low_level_optim.py `_add_to_bucket` alike)."""
+    groups, elements = [], 0
+    for k, n in enumerate(sizes):
+        if not groups or (elements and elements + n > bucket_numel):
+            groups.append([])
+            elements = 0
+        groups[-1].append(k)
+        elements += n
+    return groups

@@ -76,8 +76,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from launcher.backends.deepspeed.layout import no_retain_buckets
+from launcher.collectives import fill_buckets
 from launcher.memory.common import full_depth_numels
-from launcher.backends.deepspeed.layout import fill_buckets, no_retain_buckets
 from launcher.steptrace import OpClass
 from launcher.types import Cluster, Strategy, Workload
 
@@ -149,7 +150,7 @@ def step_counts(traces, persistence_threshold: int) -> StepCounts:
 def reduce_buckets(counts: StepCounts, trainable: int, bucket_numel: int) -> list[float]:
     """Elements of each reduction call of one gradient reduction in `bucket_numel`-element buckets,
     filled in backward order as DeepSpeed ZeRO-1/2/3 and ColossalAI LowLevelZero fill them
-    (launcher/backends/deepspeed/layout.py `fill_buckets`). Without the gradient sizes: full buckets and the
+    (launcher/collectives.py `fill_buckets`). Without the gradient sizes: full buckets and the
     remainder. A rank holding a shard of the model (tensor parallel: `trainable` is its share)
     holds that share of each gradient."""
     total = sum(counts.grad_numels)

@@ -16,6 +16,7 @@ import bisect
 import math
 from dataclasses import dataclass
 
+from launcher.collectives import fill_buckets
 from launcher.config import DeepSpeedConfig
 from launcher.steptrace import Kind, StepTrace
 
@@ -95,22 +96,6 @@ def norm_pieces(sizes: list[int], dp: int) -> list[int]:
                 best[r] = max(best[r], min(end, (r + 1) * part) - max(start, r * part))
         start = end
     return best
-
-
-def fill_buckets(sizes, bucket_numel: float) -> list[list[int]]:
-    """Indices of `sizes` (gradients in the order their hooks run) grouped by the reduce bucket
-    that reduces them: a gradient that would overflow a non-empty bucket flushes it first, so a
-    gradient larger than the bucket goes alone (stage_1_and_2.py
-    `reduce_independent_p_g_buckets_and_remove_grads`: `bucket.elements + param.numel() >
-    reduce_bucket_size`; stage3.py and ColossalAI low_level_optim.py `_add_to_bucket` alike)."""
-    groups, elements = [], 0
-    for k, n in enumerate(sizes):
-        if not groups or (elements and elements + n > bucket_numel):
-            groups.append([])
-            elements = 0
-        groups[-1].append(k)
-        elements += n
-    return groups
 
 
 def no_retain_buckets(sizes) -> list:
