@@ -57,7 +57,8 @@ profile, measured by mode=calibrate, launcher/calibrate.py):
    Calls: DDP one all-reduce per bucket (the first bucket holds 1 MiB,
    torch.distributed `_DEFAULT_FIRST_BUCKET_BYTES`, then `bucket_cap_mb`) and one buffer
    broadcast per forward (broadcast_buffers=True); DeepSpeed ZeRO-0 one all-reduce per 500M
-   elements (`zero0_buckets`); ZeRO-1/2 (and LowLevelZero's, colossalai/cpu.py) one all-reduce
+   elements (its `HostStyle.flat_buckets`: launcher/backends/deepspeed/layout.py
+   `no_retain_buckets`); ZeRO-1/2 (and LowLevelZero's, colossalai/cpu.py) one all-reduce
    per gradient bucket, ZeRO-3 one
    reduce-scatter (which gloo runs several times slower than an all-reduce of the same bytes), the
    buckets filled up to `reduce_bucket_size` elements gradient by gradient (`reduce_buckets`);
@@ -75,12 +76,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable, Optional
 
-from launcher.backends.deepspeed.layout import no_retain_buckets
 from launcher.collectives import fill_buckets
 from launcher.memory.common import full_depth_numels
 from launcher.steptrace import OpClass
-from launcher.types import Cluster, Strategy, Workload
+from launcher.types import Cluster, Workload
 
 GB = 1e9
 MIB = 2**20
@@ -96,6 +97,49 @@ ZERO3_HOOK_OPS = 20
 the module's parameters, updates the trace/prefetch coordinator and checks states, a few dozen
 Python calls; the value makes ZeRO-3's measured overhead on the tiny Llama, all parameters
 persistent, about right, see docs/accuracy.md)."""
+
+
+@dataclass(frozen=True)
+class HostStyle:
+    """The data-parallel mechanics whose host terms (3-6) a strategy pays on CPU processes, as its
+    backend describes them (launcher/backends/base.py `HostEquivalent`); this module prices them.
+
+    - `reduction`: 'ddp_reducer', torch DDP's reducer (bucketed all-reduces of every gradient once
+      per optimizer step, a buffer broadcast per forward; `torch_ddp`); 'flat', all-reduces of the
+      flat buffers `flat_buckets` makes of the gradient sizes, once per step (DeepSpeed ZeRO-0);
+      'zero', ZeRO-style partitioning (stage 1 and 2 all-reduce `reduce_bucket_size`-element
+      buckets and all-gather the updated partition in `allgather_bucket_size`-element calls,
+      stage 3 reduce-scatters the buckets; stage 2 and 3 reduce every micro-batch).
+    - `torch_amp`: the model keeps its fp32 parameters and gradients under a *-mixed precision
+      (torch autocast); otherwise the framework runs a 16-bit model with fp32 masters.
+    - `flattens`: the framework flattens the partition and casts it to the master dtype, and at
+      stage 1 and 2 flattens each all-reduced bucket and copies the result back (DeepSpeed).
+    - `sixteen_bit_checks`: with 16-bit gradients, the overflow test (amax and amin passes; at
+      stage 3 only with fp16) and the fp32 cast for the gradient norm (DeepSpeed).
+    - `module_hooks`: ZeRO-3 per-module hooks and all-gathers of the gathered parameters
+      (DeepSpeed, term 6)."""
+
+    reduction: str
+    zero_stage: int = 0
+    bucket_cap_mb: float = 25.0
+    reduce_bucket_size: int = 0
+    allgather_bucket_size: int = 0
+    flat_buckets: Optional[Callable] = None
+    torch_amp: bool = False
+    flattens: bool = False
+    sixteen_bit_checks: bool = False
+    module_hooks: bool = False
+
+    @property
+    def partitioned(self) -> bool:
+        """Optimizer states (and masters) split over the data-parallel ranks."""
+        return self.reduction == "zero"
+
+
+def torch_ddp(bucket_cap_mb: float = 25.0) -> HostStyle:
+    """torch DistributedDataParallel's reducer (torch/nn/parallel/distributed.py, reducer.cpp), with
+    `bucket_cap_mb` MiB buckets (default: DDP's own, 25)."""
+    return HostStyle("ddp_reducer", bucket_cap_mb=bucket_cap_mb, torch_amp=True)
 
 
 @dataclass(frozen=True)
@@ -161,15 +205,6 @@ def reduce_buckets(counts: StepCounts, trainable: int, bucket_numel: int) -> lis
     return [sum(sizes[k] for k in group) for group in fill_buckets(sizes, bucket_numel)]
 
 
-def zero0_buckets(counts: StepCounts, trainable: int) -> list[float]:
-    """Elements of each all-reduce of DeepSpeed ZeRO-0: engine.py `allreduce_gradients` passes
-    `MEMORY_OPT_ALLREDUCE_SIZE` (500M elements), not `reduce_bucket_size`, to
-    `buffered_allreduce_fallback` -> `allreduce_no_retain` (launcher/backends/deepspeed/layout.py
-    `no_retain_buckets`, the flat buffer `zero0_layout` lays out): one call below 500M trainable
-    elements."""
-    return no_retain_buckets(counts.grad_numels or (trainable,))
-
-
 def elementwise_elems_per_s(cluster: Cluster) -> float:
     """Fresh elementwise output elements per second (term 2): the calibrated rate, else the memory
     bandwidth over 12 bytes (an fp32 op reads two inputs and writes one output)."""
@@ -207,14 +242,14 @@ def bus_gbps(cluster: Cluster, collective: str, elem_bytes: int, message_bytes: 
     return cluster.intra_node_bandwidth_gbps
 
 
-def reductions_per_step(strategy: Strategy, accum: int) -> int:
+def reductions_per_step(style: HostStyle, accum: int) -> int:
     """Gradient reductions per optimizer step: DDP (no_sync until the last micro-batch), ZeRO-0 and
     ZeRO-1 reduce once; ZeRO-2/3 partition gradients, so they reduce every micro-batch."""
-    return accum if strategy.backend != "ddp" and strategy.zero_stage >= 2 else 1
+    return accum if style.partitioned and style.zero_stage >= 2 else 1
 
 
-def comm_s(counts: StepCounts, strategy: Strategy, cluster: Cluster, *, trainable: int, dp: int, accum: int,
-           model_bytes: int, grad_bytes: int, ds, ddp) -> float:
+def comm_s(counts: StepCounts, style: HostStyle, cluster: Cluster, *, trainable: int, dp: int, accum: int,
+           model_bytes: int, grad_bytes: int) -> float:
     """Exposed collective time per optimizer step on CPU (term 5), each call at the bandwidth of its
     collective and dtype (`bus_gbps`)."""
     ring = (dp - 1) / dp if dp > 1 else 0.0
@@ -231,14 +266,14 @@ def comm_s(counts: StepCounts, strategy: Strategy, cluster: Cluster, *, trainabl
     def buckets_s(collective: str, buckets: list[float], factor: float) -> float:
         return sum(calls_s(collective, 1, n * grad_bytes, factor, grad_bytes) for n in buckets)
 
-    if strategy.backend == "ddp":
-        calls = 1 + max(0, math.ceil((grads - DDP_FIRST_BUCKET_BYTES) / (ddp.bucket_cap_mb * MIB)))
+    if style.reduction == "ddp_reducer":
+        calls = 1 + max(0, math.ceil((grads - DDP_FIRST_BUCKET_BYTES) / (style.bucket_cap_mb * MIB)))
         return (worker_s + calls_s("all_reduce", calls, grads, 2 * ring, grad_bytes)
                 + accum * cluster.collective_latency_s)
-    if strategy.zero_stage == 0:
-        return worker_s + buckets_s("all_reduce", zero0_buckets(counts, trainable), 2 * ring)
-    buckets = reduce_buckets(counts, trainable, ds.reduce_bucket_size)
-    if strategy.zero_stage in (1, 2):
+    if style.reduction == "flat":
+        return worker_s + buckets_s("all_reduce", style.flat_buckets(counts.grad_numels or (trainable,)), 2 * ring)
+    buckets = reduce_buckets(counts, trainable, style.reduce_bucket_size)
+    if style.zero_stage in (1, 2):
         # DeepSpeed 0.19 ZeRO-1/2 all-reduce each bucket and keep their partition's slice
         # (`use_multi_rank_bucket_allreduce`, default true: stage_1_and_2.py `average_tensor` ->
         # `allreduce_and_scatter` -> `allreduce_bucket` -> dist.all_reduce); LowLevelZero
@@ -249,75 +284,74 @@ def comm_s(counts: StepCounts, strategy: Strategy, cluster: Cluster, *, trainabl
     else:  # ZeRO-3 `reduce_scatter_coalesced` (dist.reduce_scatter_tensor)
         per_reduction = buckets_s("reduce_scatter", buckets, ring)
     worker_s += ZERO_STEP_COLLECTIVES * cluster.collective_latency_s
-    reductions = reductions_per_step(strategy, accum)
-    if strategy.zero_stage in (1, 2):
+    reductions = reductions_per_step(style, accum)
+    if style.zero_stage in (1, 2):
         part = trainable / dp
-        gather = calls_s("all_gather", math.ceil(part / ds.allgather_bucket_size), trainable * model_bytes, ring,
+        gather = calls_s("all_gather", math.ceil(part / style.allgather_bucket_size), trainable * model_bytes, ring,
                          model_bytes)
         return worker_s + reductions * per_reduction + gather
     gathered = _call_s(counts.gathered_modules, 0, 0, 1.0, cluster)  # bytes: zero3_gather_bytes
     return worker_s + reductions * per_reduction + accum * gathered
 
 
-def framework_copy_bytes(strategy: Strategy, *, trainable: int, dp: int, accum: int, model_bytes: int,
+def framework_copy_bytes(style: HostStyle, *, trainable: int, dp: int, accum: int, model_bytes: int,
                          master_bytes: int) -> float:
     """Bytes read + written by the framework's own copies per optimizer step (term 4)."""
-    if strategy.backend == "ddp":
+    if style.reduction == "ddp_reducer":
         return 0.0
     part = trainable / dp
     cast = model_bytes + master_bytes if master_bytes != model_bytes else 0  # bytes per element of a dtype cast
-    if strategy.zero_stage == 0:  # + a 16-bit model's fp32 gradient casts and master copies back
+    if style.reduction == "flat":  # + a 16-bit model's fp32 gradient casts and master copies back
         return accum * 4 * model_bytes * trainable + 2 * cast * trainable
     grads_in = accum * 2 * model_bytes * trainable + 2 * model_bytes * part
-    if strategy.backend == "deepspeed":
+    if style.flattens:
         grads_in += (2 * model_bytes + cast) * part  # flatten the partition, cast it to the master dtype
-        if strategy.zero_stage in (1, 2):  # flatten each bucket, copy the result back
-            grads_in += reductions_per_step(strategy, accum) * 4 * model_bytes * trainable
+        if style.zero_stage in (1, 2):  # flatten each bucket, copy the result back
+            grads_in += reductions_per_step(style, accum) * 4 * model_bytes * trainable
     return grads_in + (master_bytes + model_bytes) * part
 
 
-def gradient_passes(strategy: Strategy, workload: Workload, *, trainable: int, dp: int, accum: int,
+def gradient_passes(style: HostStyle, workload: Workload, *, trainable: int, dp: int, accum: int,
                     model_bytes: int) -> tuple[float, float]:
     """(elements of elementwise passes, bytes of copies) over gradients per optimizer step beyond
     `framework_copy_bytes`: the averaging division of every reduction, DeepSpeed's 16-bit
     overflow test and fp32 norm cast (term 4)."""
     if dp <= 1:
         return 0.0, 0.0
-    elements = reductions_per_step(strategy, accum) * float(trainable)
+    elements = reductions_per_step(style, accum) * float(trainable)
     copies = 0.0
-    if strategy.backend == "deepspeed" and model_bytes == 2:
-        checked = trainable / dp if strategy.zero_stage >= 1 else float(trainable)
-        if strategy.zero_stage < 3 or workload.precision.startswith("16"):
+    if style.sixteen_bit_checks and model_bytes == 2:
+        checked = trainable / dp if style.partitioned else float(trainable)
+        if style.zero_stage < 3 or workload.precision.startswith("16"):
             elements += 2 * checked  # has_inf_or_nan: amax and amin
         copies += (model_bytes + 4) * checked  # norm: cast to fp32
     return elements, copies
 
 
-def host_time_s(counts: StepCounts, strategy: Strategy, workload: Workload, cluster: Cluster, *, trainable: int,
-                num_params: int, dp: int, accum: int, model_bytes: int, master_bytes: int, grad_bytes: int,
-                ds, ddp) -> dict:
+def host_time_s(counts: StepCounts, style: HostStyle, workload: Workload, cluster: Cluster, *, trainable: int,
+                num_params: int, dp: int, accum: int, model_bytes: int, master_bytes: int, grad_bytes: int) -> dict:
     """Seconds per optimizer step of each host term (module docstring), for CPU processes."""
     mem_bps = cluster.memory_bandwidth_gbps * GB
     elem_s = elementwise_elems_per_s(cluster)
     ops = (counts.forward_ops + counts.backward_ops) * accum + counts.optimizer_ops
-    hooks = 4 * counts.num_modules * ZERO3_HOOK_OPS * accum if strategy.zero_stage == 3 and strategy.backend == "deepspeed" else 0.0
-    opt_numel = trainable if strategy.backend == "ddp" or strategy.zero_stage == 0 else trainable / dp
+    hooks = 4 * counts.num_modules * ZERO3_HOOK_OPS * accum if style.module_hooks else 0.0
+    opt_numel = trainable / dp if style.partitioned else trainable
     accesses = ADAMW_ACCESSES_PER_ELEM if workload.optimizer.startswith("adamw") else 4
     accesses += CLIP_ACCESSES_PER_ELEM
     zero3_gather_bytes = (counts.gathered_numel * model_bytes * (dp - 1) / dp * accum
-                          if strategy.zero_stage == 3 and strategy.backend == "deepspeed" else 0.0)
+                          if style.module_hooks else 0.0)
     gather_gbps = bus_gbps(cluster, "all_gather", model_bytes,
                            counts.gathered_numel * model_bytes / counts.gathered_modules if counts.gathered_modules else None)
-    pass_elements, pass_copies = gradient_passes(strategy, workload, trainable=trainable, dp=dp, accum=accum,
+    pass_elements, pass_copies = gradient_passes(style, workload, trainable=trainable, dp=dp, accum=accum,
                                                  model_bytes=model_bytes)
     return {
         "dispatch_s": (ops + hooks) * cluster.op_overhead_s,
         "activation_traffic_s": accum * (counts.activation_elements / elem_s + 2 * counts.copy_bytes / mem_bps),
         "optimizer_s": accesses * max(master_bytes, 4) * opt_numel / mem_bps,
-        "framework_copy_s": (framework_copy_bytes(strategy, trainable=trainable, dp=dp, accum=accum,
+        "framework_copy_s": (framework_copy_bytes(style, trainable=trainable, dp=dp, accum=accum,
                                                   model_bytes=model_bytes, master_bytes=master_bytes) + pass_copies)
         / mem_bps + pass_elements / elem_s,
-        "comm_s": comm_s(counts, strategy, cluster, trainable=trainable, dp=dp, accum=accum, model_bytes=model_bytes,
-                         grad_bytes=grad_bytes, ds=ds, ddp=ddp)
+        "comm_s": comm_s(counts, style, cluster, trainable=trainable, dp=dp, accum=accum, model_bytes=model_bytes,
+                         grad_bytes=grad_bytes)
         + (zero3_gather_bytes / (gather_gbps * GB) if zero3_gather_bytes else 0.0),
     }

@@ -187,16 +187,16 @@ def _with_host_terms(counts, x: CommInput, backend, compute_s: float, exposed_s:
     he = backend.host_equivalent(x) if backend.host_equivalent else None
     if he is None:
         return compute_s, exposed_s, {}
-    torch_run = he.strategy.backend == "ddp"
+    torch_run = he.style.torch_amp
     model_bytes = 4 if workload.precision == "32-true" or (torch_run and workload.precision.endswith("-mixed")) else 2
     master_bytes = model_bytes if torch_run else (2 if workload.precision == "bf16-true" else 4)
     grad_bytes = model_bytes if torch_run else (4 if workload.precision == "32-true" else 2)
     share = he.stage_share  # a pipeline stage's part of the model and of each micro-batch
     if share != 1:
         counts = replace(counts, **{f: getattr(counts, f) * share for f in STAGE_SCALED})
-    host = host_time_s(counts, he.strategy, workload, cluster, trainable=int(x.trainable * share),
+    host = host_time_s(counts, he.style, workload, cluster, trainable=int(x.trainable * share),
                        num_params=int(x.num_params * share), dp=x.dp, accum=x.accum, model_bytes=model_bytes,
-                       master_bytes=master_bytes, grad_bytes=grad_bytes, ds=he.ds, ddp=x.knobs["ddp"])
+                       master_bytes=master_bytes, grad_bytes=grad_bytes)
     for term in ("dispatch_s", "activation_traffic_s"):  # per micro-batch: stretched by a pipeline's idle time
         host[term] *= he.idle_factor
     host["comm_s"] += he.extra_comm_s

@@ -237,15 +237,14 @@ class CommInput:
 
 @dataclass(frozen=True)
 class HostEquivalent:
-    """The torch DDP or DeepSpeed strategy whose CPU host terms a strategy shares
-    (launcher/host_time.py) on the traced parameters (one tensor-parallel shard's under tensor
-    parallelism), with the bucket sizes it uses (`ds`: reduce/allgather_bucket_size) and
-    communication it adds on top. A pipeline stage runs `stage_share` of the layers, holds that
-    share of the parameters and does that share of each micro-batch's host work, which the
-    pipeline's idle time stretches by `idle_factor` (as its FLOP time)."""
+    """The data-parallel mechanics whose CPU host terms a strategy pays (`style`: a
+    launcher/host_time.py `HostStyle`, with its bucket sizes) on the traced parameters (one
+    tensor-parallel shard's under tensor parallelism), and the communication it adds on top. A
+    pipeline stage runs `stage_share` of the layers, holds that share of the parameters and does
+    that share of each micro-batch's host work, which the pipeline's idle time stretches by
+    `idle_factor` (as its FLOP time)."""
 
-    strategy: Strategy
-    ds: Any = None
+    style: Any  # launcher.host_time.HostStyle
     extra_comm_s: float = 0.0
     stage_share: float = 1.0
     idle_factor: float = 1.0

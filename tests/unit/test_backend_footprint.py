@@ -24,11 +24,11 @@ SCHEMA_FILE = "launcher/config.py"
 OLDER = {
     "ddp": ({"launcher/backends/colossalai/comm.py", "launcher/backends/colossalai/layout.py"},
             {"launcher/backends/colossalai/__init__.py", "launcher/backends/colossalai/comm.py",
-             "launcher/backends/colossalai/layout.py", "launcher/backends/fsdp2/comm.py",
+             "launcher/backends/colossalai/layout.py",
              "launcher/emit/__init__.py", "launcher/emit/accelerate.py", "launcher/exports.py",
-             "launcher/host_time.py", "launcher/memory/estimate.py", "launcher/planner.py", "launcher/speed.py",
+             "launcher/memory/estimate.py", "launcher/planner.py", "launcher/speed.py",
              "launcher/validate.py", "launcher/worker/backends.py"}),
-    "deepspeed": ({"launcher/exports.py", "launcher/host_time.py"},
+    "deepspeed": ({"launcher/exports.py"},
                   {"launcher/planner.py"}),
 }
 

@@ -3,9 +3,10 @@ from dataclasses import replace
 
 import pytest
 
+from launcher.backends.deepspeed.comm import host_style
 from launcher.config import DDPConfig, DeepSpeedConfig
 from launcher.host_time import (ADAMW_ACCESSES_PER_ELEM, CLIP_ACCESSES_PER_ELEM, GB, MIB, StepCounts,
-                                WORKER_COLLECTIVES_PER_STEP, ZERO_STEP_COLLECTIVES, comm_s, host_time_s)
+                                WORKER_COLLECTIVES_PER_STEP, ZERO_STEP_COLLECTIVES, comm_s, host_time_s, torch_ddp)
 from launcher.speed import estimate_speed
 from launcher.types import Cluster, Strategy, Workload
 
@@ -23,9 +24,14 @@ Z = {k: Strategy(f"zero{k}", "deepspeed", zero_stage=k) for k in range(4)}
 N = 10_000_000
 
 
+def style(strategy, ds=DeepSpeedConfig()):
+    """The host mechanics of torch DDP or of a DeepSpeed stage (`HostStyle`)."""
+    return torch_ddp(DDPConfig().bucket_cap_mb) if strategy.backend == "ddp" else host_style(strategy.zero_stage, ds)
+
+
 def terms(strategy, accum=1, counts=COUNTS, cluster=CPU, ds=DeepSpeedConfig(), model_bytes=4):
-    return host_time_s(counts, strategy, WL, cluster, trainable=N, num_params=N, dp=2, accum=accum,
-                       model_bytes=model_bytes, master_bytes=4, grad_bytes=model_bytes, ds=ds, ddp=DDPConfig())
+    return host_time_s(counts, style(strategy, ds), WL, cluster, trainable=N, num_params=N, dp=2, accum=accum,
+                       model_bytes=model_bytes, master_bytes=4, grad_bytes=model_bytes)
 
 
 def test_optimizer_is_memory_bound_adamw_over_the_rank_elements():
@@ -73,24 +79,25 @@ def test_bus_bandwidth_of_the_dtype_at_the_message_size():
     assert bus_gbps(CPU, "all_reduce", 2) == CPU.intra_node_bandwidth_gbps
     grads = 1e6 * 2  # a bf16 all-reduce of 2 MB, one call: latency + bus bytes at the bf16 rate of 2 MB
     rate = 0.4 + 0.2 * math.log(grads / MIB) / math.log(16)
-    got = comm_s(COUNTS, Z[0], c, trainable=1_000_000, dp=2, accum=1, model_bytes=2, grad_bytes=2,
-                 ds=DeepSpeedConfig(reduce_bucket_size=10**7), ddp=DDPConfig())
+    got = comm_s(COUNTS, style(Z[0], DeepSpeedConfig(reduce_bucket_size=10**7)), c, trainable=1_000_000, dp=2,
+                 accum=1, model_bytes=2, grad_bytes=2)
     assert got == pytest.approx((WORKER_COLLECTIVES_PER_STEP + 1) * 1e-4 + grads * 2 * 0.5 / (rate * GB))
 
 
 def test_reduce_buckets_follow_the_flush_rule():
     """A gradient that would overflow the bucket flushes it first; one larger than the bucket goes
     alone; ZeRO-0 reduces everything below 500M elements in one call whatever reduce_bucket_size is."""
-    from launcher.host_time import reduce_buckets, zero0_buckets
+    from launcher.backends.deepspeed.layout import no_retain_buckets
+    from launcher.host_time import reduce_buckets
 
     counts = replace(COUNTS, grad_numels=(50, 60, 300, 10, 20, 30))
     assert reduce_buckets(counts, 470, 100) == [50, 60, 300, 60]
     assert reduce_buckets(counts, 470, 1000) == [470]
     assert reduce_buckets(counts, 235, 100) == [25 + 30, 150, 30]  # a tensor-parallel half of each gradient
     assert reduce_buckets(COUNTS, 250, 100) == [100, 100, 50]  # no sizes: full buckets and the rest
-    assert zero0_buckets(counts, 470) == [470]
+    assert no_retain_buckets(counts.grad_numels) == [470]
     big = replace(COUNTS, grad_numels=(300_000_000, 300_000_000, 10))
-    assert zero0_buckets(big, 600_000_010) == [600_000_000, 10]
+    assert no_retain_buckets(big.grad_numels) == [600_000_000, 10]
 
 
 def test_ddp_buckets_and_latency():
@@ -98,15 +105,14 @@ def test_ddp_buckets_and_latency():
     buffer broadcast per forward and the worker's two collectives."""
     grads = N * 4
     expected = (3 + 1 + WORKER_COLLECTIVES_PER_STEP) * 1e-4 + grads * 2 * 0.5 / GB
-    got = comm_s(COUNTS, DDP, CPU, trainable=N, dp=2, accum=1, model_bytes=4, grad_bytes=4, ds=DeepSpeedConfig(),
-                 ddp=DDPConfig())
+    got = comm_s(COUNTS, style(DDP), CPU, trainable=N, dp=2, accum=1, model_bytes=4, grad_bytes=4)
     assert got == pytest.approx(expected)
     assert 3 == 1 + -(-(grads - MIB) // (25 * MIB))
 
 
 def test_zero2_all_reduces_per_bucket_and_gathers_at_the_all_gather_rate():
     ds = DeepSpeedConfig(reduce_bucket_size=1_000_000, allgather_bucket_size=2_000_000)
-    got = comm_s(COUNTS, Z[2], CPU, trainable=N, dp=2, accum=1, model_bytes=4, grad_bytes=4, ds=ds, ddp=DDPConfig())
+    got = comm_s(COUNTS, style(Z[2], ds), CPU, trainable=N, dp=2, accum=1, model_bytes=4, grad_bytes=4)
     # DeepSpeed 0.19 all-reduces each of the 10 buckets (use_multi_rank_bucket_allreduce):
     # 2 (n-1)/n of the gradient at the all-reduce bus bandwidth
     reduce = 10 * 1e-4 + N * 4 * 2 * 0.5 / GB
@@ -116,8 +122,7 @@ def test_zero2_all_reduces_per_bucket_and_gathers_at_the_all_gather_rate():
 
 
 def test_single_rank_has_no_collectives_but_the_worker_calls():
-    got = comm_s(COUNTS, DDP, CPU, trainable=N, dp=1, accum=1, model_bytes=4, grad_bytes=4, ds=DeepSpeedConfig(),
-                 ddp=DDPConfig())
+    got = comm_s(COUNTS, style(DDP), CPU, trainable=N, dp=1, accum=1, model_bytes=4, grad_bytes=4)
     assert got == pytest.approx(WORKER_COLLECTIVES_PER_STEP * 1e-4)
 
 
@@ -241,25 +246,30 @@ def test_zero12_gradient_reductions_follow_each_framework():
     reduce-scatters at the calibrated reduce-scatter rate."""
     c = replace(CPU, collective_gbps={"all_reduce_fp32": {64.0: 1.0}, "reduce_scatter_fp32": {64.0: 0.4},
                                       "all_gather_fp32": {64.0: 0.25}})
+    from launcher.backends.colossalai.comm import colossalai_host_style
+    from launcher.config import ColossalAIConfig
+
     ds = DeepSpeedConfig(reduce_bucket_size=10**6, allgather_bucket_size=10**6)
-    kw = dict(trainable=N, dp=2, accum=1, model_bytes=4, grad_bytes=4, ds=ds, ddp=DDPConfig())
+    cai = ColossalAIConfig(reduce_bucket_size_in_m=1)  # 2**20-element buckets: 10 for N, 5 calls for a half
+    kw = dict(trainable=N, dp=2, accum=1, model_bytes=4, grad_bytes=4)
     grads = N * 4
     fixed = (WORKER_COLLECTIVES_PER_STEP + ZERO_STEP_COLLECTIVES) * 1e-4
     gather = 5 * 1e-4 + grads * 0.5 / (0.25 * GB)  # 5 M-element partition in 1 M-element buckets
-    assert comm_s(COUNTS, Z[2], c, **kw) == pytest.approx(fixed + 10 * 1e-4 + grads * 2 * 0.5 / GB + gather)
-    cai1, cai2 = (Strategy(f"cai_zero{k}", "colossalai", zero_stage=k) for k in (1, 2))
+    assert comm_s(COUNTS, style(Z[2], ds), c, **kw) == pytest.approx(fixed + 10 * 1e-4 + grads * 2 * 0.5 / GB + gather)
+    cai1, cai2 = (colossalai_host_style(Strategy(f"cai_zero{k}", "colossalai", zero_stage=k), cai, DDPConfig())
+                  for k in (1, 2))
     assert comm_s(COUNTS, cai1, c, **kw) == pytest.approx(fixed + 10 * 1e-4 + grads * 2 * 0.5 / GB + gather)
     assert comm_s(COUNTS, cai2, c, **kw) == pytest.approx(fixed + 10 * 1e-4 + grads * 2 * 0.5 / GB + gather)
-    z3 = comm_s(COUNTS, Z[3], c, **kw) - COUNTS.gathered_modules * 1e-4
+    z3 = comm_s(COUNTS, style(Z[3], ds), c, **kw) - COUNTS.gathered_modules * 1e-4
     assert z3 == pytest.approx(fixed + 10 * 1e-4 + grads * 0.5 / (0.4 * GB))
 
 
 def test_sixteen_bit_optimizer_elements_cost_what_fp32_ones_do():
     """ATen computes 16-bit elementwise ops in fp32: AdamW over bf16 masters takes the fp32 time."""
-    fp32 = host_time_s(COUNTS, DDP, WL, CPU, trainable=N, num_params=N, dp=2, accum=1, model_bytes=4,
-                       master_bytes=4, grad_bytes=4, ds=DeepSpeedConfig(), ddp=DDPConfig())
-    bf16 = host_time_s(COUNTS, DDP, WL, CPU, trainable=N, num_params=N, dp=2, accum=1, model_bytes=2,
-                       master_bytes=2, grad_bytes=2, ds=DeepSpeedConfig(), ddp=DDPConfig())
+    fp32 = host_time_s(COUNTS, style(DDP), WL, CPU, trainable=N, num_params=N, dp=2, accum=1, model_bytes=4,
+                       master_bytes=4, grad_bytes=4)
+    bf16 = host_time_s(COUNTS, style(DDP), WL, CPU, trainable=N, num_params=N, dp=2, accum=1, model_bytes=2,
+                       master_bytes=2, grad_bytes=2)
     assert bf16["optimizer_s"] == fp32["optimizer_s"]
 
 
@@ -273,11 +283,32 @@ def test_gradient_passes_average_every_reduction_and_check_deepspeed_16_bit_part
 
     bf16 = replace(WL, precision="bf16-mixed")
     kw = dict(trainable=N, dp=2, accum=3)
-    assert gradient_passes(DDP, bf16, model_bytes=4, **kw) == (N, 0.0)  # no_sync until the last micro-batch
-    assert gradient_passes(Z[1], WL, model_bytes=4, **kw) == (N, 0.0)  # ZeRO-1 reduces once per step
-    assert gradient_passes(Z[0], bf16, model_bytes=2, **kw) == (N + 2 * N, 6 * N)
-    assert gradient_passes(Z[2], bf16, model_bytes=2, **kw) == (3 * N + 2 * N / 2, 6 * N / 2)
-    assert gradient_passes(Z[3], bf16, model_bytes=2, **kw) == (3 * N, 6 * N / 2)
-    assert gradient_passes(Z[3], replace(WL, precision="16-mixed"), model_bytes=2, **kw) == (3 * N + N, 6 * N / 2)
-    assert gradient_passes(Z[2], bf16, model_bytes=2, trainable=N, dp=1, accum=1) == (0.0, 0.0)
+    assert gradient_passes(style(DDP), bf16, model_bytes=4, **kw) == (N, 0.0)  # no_sync until the last micro-batch
+    assert gradient_passes(style(Z[1]), WL, model_bytes=4, **kw) == (N, 0.0)  # ZeRO-1 reduces once per step
+    assert gradient_passes(style(Z[0]), bf16, model_bytes=2, **kw) == (N + 2 * N, 6 * N)
+    assert gradient_passes(style(Z[2]), bf16, model_bytes=2, **kw) == (3 * N + 2 * N / 2, 6 * N / 2)
+    assert gradient_passes(style(Z[3]), bf16, model_bytes=2, **kw) == (3 * N, 6 * N / 2)
+    assert gradient_passes(style(Z[3]), replace(WL, precision="16-mixed"), model_bytes=2, **kw) == (3 * N + N, 6 * N / 2)
+    assert gradient_passes(style(Z[2]), bf16, model_bytes=2, trainable=N, dp=1, accum=1) == (0.0, 0.0)
 
+
+
+def test_framework_copies_follow_each_framework():
+    """Bytes read and written by the framework's own copies per step, fp32, N trainable elements on
+    2 ranks, one micro-batch. torch DDP writes gradients in its buckets: none. ZeRO-2 (LowLevelZero
+    and DeepSpeed alike): each gradient copied into its bucket (read + write, 8 N) and the rank's
+    reduced half into the partition (4 N), the updated master half copied back into the model
+    (4 N). DeepSpeed also flattens the partition for the step (4 N; fp32 needs no cast) and
+    flattens each all-reduced bucket and copies the result back (16 N). DeepSpeed ZeRO-0 flattens
+    all gradients for its all-reduce and copies them back (16 N)."""
+    from launcher.backends.colossalai.comm import colossalai_host_style
+    from launcher.config import ColossalAIConfig
+    from launcher.host_time import framework_copy_bytes
+
+    kw = dict(trainable=N, dp=2, accum=1, model_bytes=4, master_bytes=4)
+    lowlevel = colossalai_host_style(Strategy("cai_zero2", "colossalai", zero_stage=2), ColossalAIConfig(),
+                                     DDPConfig())
+    assert framework_copy_bytes(style(DDP), **kw) == 0
+    assert framework_copy_bytes(lowlevel, **kw) == pytest.approx(16 * N)
+    assert framework_copy_bytes(style(Z[2]), **kw) == pytest.approx(36 * N)
+    assert framework_copy_bytes(style(Z[0]), **kw) == pytest.approx(16 * N)

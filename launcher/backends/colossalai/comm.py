@@ -2,29 +2,27 @@
 terms each shares (`host_equivalent`)."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from launcher.backends.base import CommInput, HostEquivalent
 from launcher.backends.colossalai.emit import num_microbatches, overlap
 from launcher.backends.ddp.comm import ddp_reduction_s
 from launcher.collectives import bus_bandwidth_gbps, fully_sharded_comm_s, ring_time_s, tp_comm_s
+from launcher.host_time import HostStyle, torch_ddp
 from launcher.types import Strategy
 
 
-def colossalai_host_equivalent(strategy: Strategy, cai) -> tuple:
-    """(strategy, bucket sizes) whose host terms a ColossalAI plugin shares: TorchDDPPlugin and
-    HybridParallelPlugin's DP dimension without ZeRO are torch DDP (hybrid_parallel_plugin.py
+def colossalai_host_style(strategy: Strategy, cai, ddp) -> HostStyle:
+    """The data-parallel host mechanics of a ColossalAI plugin (launcher/host_time.py): TorchDDPPlugin
+    and HybridParallelPlugin's DP dimension without ZeRO are torch DDP (hybrid_parallel_plugin.py
     wraps the shard in DDP); LowLevelZeroPlugin and the ZeRO DP dimension copy gradients into
     `reduce_bucket_size_in_m` buckets, all-reduce (stage 1) or reduce-scatter (stage 2; an in-place
-    all-reduce on CPU processes, cpu.py `_InPlaceReduceScatter`) them and
-    all-gather the updated partition like DeepSpeed ZeRO-1/2 (colossalai/zero/low_level/
-    low_level_optim.py `_run_reduction`, `step`: one all-gather of the whole flat partition per
-    bucket store); the strategy keeps its ColossalAI backend for launcher/host_time.py `comm_s`."""
+    all-reduce on CPU processes, cpu.py `_InPlaceReduceScatter`) them and all-gather the updated
+    partition (colossalai/zero/low_level/low_level_optim.py `_run_reduction`, `step`: one
+    all-gather of the whole flat partition per bucket store), without DeepSpeed's flattening
+    copies and 16-bit checks."""
     if strategy.name == "cai_ddp" or strategy.zero_stage == 0:
-        return Strategy("ddp", "ddp"), None
+        return torch_ddp(ddp.bucket_cap_mb)
     bucket = int(cai.reduce_bucket_size_in_m * 1024 * 1024)
-    return (Strategy(strategy.name, "colossalai", strategy.zero_stage),
-            SimpleNamespace(reduce_bucket_size=bucket, allgather_bucket_size=bucket))
+    return HostStyle("zero", strategy.zero_stage, reduce_bucket_size=bucket, allgather_bucket_size=bucket)
 
 
 def comm(x: CommInput) -> tuple:
@@ -74,7 +72,7 @@ def comm(x: CommInput) -> tuple:
 
 def host_equivalent(x: CommInput):
     """Gemini does not run on CPU processes: no host-time model (None). The others share the
-    host terms of `colossalai_host_equivalent`, on the traced parameters (a tp shard's under
+    host terms of `colossalai_host_style`, on the traced parameters (a tp shard's under
     tensor parallelism), plus the tensor-parallel all-reduces. A pipeline stage (pp > 1) does 1/p
     of every micro-batch's host work and holds 1/p of the parameters; on a CPU process its host
     work is its compute, so the 1F1B bubble stretches it as `comm` stretches the FLOP time:
@@ -82,9 +80,9 @@ def host_equivalent(x: CommInput):
     strategy, workload = x.strategy, x.workload
     if strategy.name == "cai_gemini":
         return None
-    host_strategy, ds = colossalai_host_equivalent(strategy, x.knobs["colossalai"])
+    style = colossalai_host_style(strategy, x.knobs["colossalai"], x.knobs["ddp"])
     pp = strategy.pp_size
     m = num_microbatches(x.knobs["colossalai"], pp)
     idle = (m + pp - 1) / m
     tp_s = tp_comm_s(strategy, workload, x.cluster, x.spec, x.accum, 4 if workload.precision == "32-true" else 2)
-    return HostEquivalent(host_strategy, ds, extra_comm_s=tp_s * idle, stage_share=1 / pp, idle_factor=idle)
+    return HostEquivalent(style, extra_comm_s=tp_s * idle, stage_share=1 / pp, idle_factor=idle)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from launcher.backends.base import CommInput, HostEquivalent
 from launcher.collectives import bucketed_reduction_s, bus_bandwidth_gbps
+from launcher.host_time import torch_ddp
 
 MIB = 2**20
 
@@ -30,4 +31,4 @@ def comm(x: CommInput) -> tuple:
 
 
 def host_equivalent(x: CommInput) -> HostEquivalent:
-    return HostEquivalent(x.strategy, x.knobs.get("deepspeed"))
+    return HostEquivalent(torch_ddp(x.knobs["ddp"].bucket_cap_mb))

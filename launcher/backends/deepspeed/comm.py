@@ -6,7 +6,9 @@ parameter all-gather; ZeRO-3 gathers in forward and backward and reduce-scatters
 from __future__ import annotations
 
 from launcher.backends.base import CommInput, HostEquivalent
+from launcher.backends.deepspeed.layout import no_retain_buckets
 from launcher.collectives import bucketed_reduction_s, bus_bandwidth_gbps, fully_sharded_comm_s, ring_time_s
+from launcher.host_time import HostStyle
 from launcher.types import Strategy
 
 
@@ -35,5 +37,18 @@ def comm(x: CommInput) -> tuple:
     return x.compute_s, raw, exposed, elem
 
 
+def host_style(stage: int, ds) -> HostStyle:
+    """DeepSpeed's data-parallel host mechanics (launcher/host_time.py, terms 4-6): ZeRO-0
+    all-reduces flat buffers of up to `MEMORY_OPT_ALLREDUCE_SIZE` elements (engine.py
+    `allreduce_no_retain`, layout.py `no_retain_buckets`); ZeRO 1-3 partition with
+    `reduce_bucket_size` / `allgather_bucket_size`; every stage flattens and casts the partition
+    and checks 16-bit gradients; ZeRO-3 hooks every module (parameter_offload.py)."""
+    if stage == 0:
+        return HostStyle("flat", flat_buckets=no_retain_buckets, sixteen_bit_checks=True)
+    return HostStyle("zero", stage, reduce_bucket_size=ds.reduce_bucket_size,
+                     allgather_bucket_size=ds.allgather_bucket_size, flattens=True, sixteen_bit_checks=True,
+                     module_hooks=stage == 3)
+
+
 def host_equivalent(x: CommInput) -> HostEquivalent:
-    return HostEquivalent(x.strategy, x.knobs["deepspeed"])
+    return HostEquivalent(host_style(x.strategy.zero_stage, x.knobs["deepspeed"]))

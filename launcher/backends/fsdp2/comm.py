@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from launcher.backends.base import CommInput, HostEquivalent
 from launcher.backends.fsdp2.rules import mixed_precision, model_dtype, reshard_after_forward
 from launcher.collectives import bus_bandwidth_gbps, ring_time_s, tp_comm_s
-from launcher.host_time import _call_s, bus_gbps
+from launcher.host_time import _call_s, bus_gbps, torch_ddp
 from launcher.memory.common import DTYPE_BYTES
 from launcher.types import Strategy
 
@@ -91,7 +91,8 @@ def comm(x: CommInput) -> tuple:
 
 
 def host_equivalent(x: CommInput) -> HostEquivalent:
-    """torch DDP's host terms plus FSDP2's all-gathers (one per group and micro-batch, twice with
+    """torch DDP's host terms (DDP's default 25 MiB buckets: the ddp group's settings are DDP's own)
+    plus FSDP2's all-gathers (one per group and micro-batch, twice with
     reshard_after_forward) and the tensor-parallel all-reduces (module docstring)."""
     cb, _ = comm_bytes(x.workload.precision)
     groups = (x.spec.num_layers if x.spec is not None else 1) + 1
@@ -102,4 +103,4 @@ def host_equivalent(x: CommInput) -> HostEquivalent:
     if x.dp > 1:
         ring = (x.dp - 1) / x.dp
         extra += _call_s(calls, gathered, ring, bus_gbps(x.cluster, "all_gather", cb, gathered / calls), x.cluster)
-    return HostEquivalent(Strategy("ddp", "ddp"), extra_comm_s=extra)
+    return HostEquivalent(torch_ddp(), extra_comm_s=extra)
