@@ -146,6 +146,15 @@ class Backend:
       the framework replaces the model's attention (None: the planned one).
     - `peft_settings(strategy, lora)`: the `launcher.peft.LoraSettings` its ranks run for the asked
       ones, traced and written to run.json (None: as asked).
+    - `exports(plan, config)`: the configs for the tools users already run that it writes next to
+      the plan (launcher/exports.py), as an `Exported`.
+    - `accelerate(strategy, device, run_dir)`: the keys of Accelerate's `ClusterConfig` that launch
+      `strategy` (`distributed_type` and its section; launcher/emit/accelerate.py adds the rest)
+      when `accelerate_config.yaml` describes one of its candidates; a backend that exports files
+      describes the candidate it exported, whose files the keys may name (in `run_dir`). None: its
+      candidates get no accelerate_config.yaml (FSDP writes its own through `exports`).
+    - `launch_commands(per_node, num_machines, run_json, master_port)`: launchers of its own that
+      start the job besides torchrun ({name: argv}, written to launch_commands.sh).
     """
 
     name: str
@@ -167,7 +176,9 @@ class Backend:
     # LoRA adapters stay fp32 under peft's autocast; False: the framework casts them; or precision -> either
     adapter_autocast: Any = True
     launch_problem: Optional[Callable[..., str]] = None
-    exports: Optional[Callable[..., tuple]] = None  # (plan, config) -> ([(file name, text)], launch_commands.sh line)  # (strategy, spec) -> why a fitting plan cannot run here  # (strategy, config, accumulation) -> the step's micro-batches
+    exports: Optional[Callable[..., "Exported"]] = None  # (plan, config) -> the files it writes next to the plan
+    accelerate: Optional[Callable[..., dict]] = None  # (strategy, device, run_dir) -> accelerate_config.yaml's keys
+    launch_commands: Optional[Callable[..., dict]] = None  # (per_node, num_machines, run_json, port) -> {name: argv}
     to_neutral: Optional[str] = None  # 'module:function' writing its checkpoint in torch's form; None: it is already
     interpreter: Optional[Callable[[Strategy], Optional[str]]] = None  # the ranks' Python; None: the launcher's
     attention: Optional[Callable[[Strategy, str, str], str]] = None  # (strategy, model_type, planned) -> what runs
@@ -248,6 +259,28 @@ class HostEquivalent:
     extra_comm_s: float = 0.0
     stage_share: float = 1.0
     idle_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class Exported:
+    """What a backend's `exports` writes: `files` ((name, text) pairs) for the candidate at index
+    `candidate` of the plan, or none and why (`why`; '' says nothing). `label` names the backend in
+    launch_commands.sh ("DeepSpeed", "FSDP2")."""
+
+    label: str
+    files: tuple = ()
+    candidate: Optional[int] = None
+    why: str = ""
+
+
+def export_candidate(plan, backends, accept: Callable[[Any], bool] = lambda c: True) -> Optional[int]:
+    """The index of the candidate an export describes: the chosen one when it is of `backends` (a
+    backend's name or several) and `accept`ed, else the fastest such candidate that fits and can
+    be launched; None."""
+    names = {backends} if isinstance(backends, str) else set(backends)
+    ok = [i for i, c in enumerate(plan.candidates)
+          if c.strategy.backend in names and c.fits and "not launchable" not in c.reason and accept(c)]
+    return plan.chosen if plan.chosen in ok else (ok[0] if ok else None)
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,10 @@ OLDER = {
     "ddp": ({"launcher/backends/colossalai/comm.py", "launcher/backends/colossalai/layout.py"},
             {"launcher/backends/colossalai/__init__.py", "launcher/backends/colossalai/comm.py",
              "launcher/backends/colossalai/layout.py",
-             "launcher/emit/__init__.py", "launcher/emit/accelerate.py", "launcher/exports.py",
+             "launcher/emit/__init__.py",
              "launcher/memory/estimate.py", "launcher/planner.py", "launcher/speed.py",
              "launcher/validate.py", "launcher/worker/backends.py"}),
-    "deepspeed": ({"launcher/exports.py"},
-                  {"launcher/planner.py"}),
+    "deepspeed": (set(), {"launcher/planner.py"}),
 }
 
 

@@ -16,4 +16,5 @@ BACKEND = Backend(
     worker="launcher.backends.ddp.worker:DDPBackend",
     check_worker_config="launcher.backends.ddp.worker:check_config",
     knobs=("ddp",),
+    accelerate=emit.accelerate_keys,
 )

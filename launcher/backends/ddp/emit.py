@@ -38,3 +38,11 @@ def ddp_settings(ddp: DDPConfig) -> dict:
         "find_unused_parameters": False,
         buffer_sync_kwarg(): False,
     }
+
+
+def accelerate_keys(strategy, device: str, run_dir=None) -> dict:
+    """Accelerate's launch of torch DDP (accelerate/commands/config/config_args.py `ClusterConfig`):
+    MULTI_GPU, or MULTI_CPU on CPU processes; one process without a wrapper (`single`) NO."""
+    if strategy.name == "single":
+        return {"distributed_type": "NO"}
+    return {"distributed_type": "MULTI_CPU" if device == "cpu" else "MULTI_GPU"}

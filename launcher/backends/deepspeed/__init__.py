@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO stages 0-3 and ZeRO-Offload."""
 from launcher.backends.base import Backend
-from launcher.backends.deepspeed import comm, emit, memory, rules
+from launcher.backends.deepspeed import comm, emit, exports, memory, rules
 from launcher.types import Strategy
 
 BACKEND = Backend(
@@ -26,4 +26,5 @@ BACKEND = Backend(
     knobs=("deepspeed",),
     adapter_autocast=False, peft_settings=rules.peft_settings,
     to_neutral="launcher.backends.deepspeed.checkpoint:to_neutral",
+    exports=exports.exports, accelerate=exports.accelerate_keys, launch_commands=exports.launch_commands,
 )

@@ -9,7 +9,8 @@
 """
 from __future__ import annotations
 
-from launcher.backends.fsdp2.emit import decoder_layer_class, export_candidate
+from launcher.backends.base import Exported, export_candidate
+from launcher.backends.fsdp2.emit import decoder_layer_class
 from launcher.types import Strategy
 
 from .rules import mixed_precision, sharding_strategy
@@ -71,19 +72,19 @@ def accelerate_config(strategy: Strategy, precision: str, num_processes: int, nu
     }
 
 
-def exports(plan, config) -> tuple[list[tuple[str, str]], str]:
-    """([(file name, text)], header line) for launcher/exports.py: the FSDP1 arguments and the
-    Accelerate config of the chosen candidate when it is an FSDP1 one, else of the fastest FSDP1
-    candidate that fits and can be launched; nothing when no FSDP1 candidate was planned."""
+def exports(plan, config) -> Exported:
+    """The FSDP1 arguments and the Accelerate config (launcher/exports.py) of the chosen candidate
+    when it is an FSDP1 one, else of the fastest FSDP1 candidate that fits and can be launched;
+    nothing when no FSDP1 candidate was planned."""
     import json
 
     import yaml
 
     if not any(c.strategy.backend == "fsdp1" for c in plan.candidates):
-        return [], ""  # planned by name only (rules.py): nothing to say under other strategies
+        return Exported("FSDP1")  # planned by name only (rules.py): nothing to say under other strategies
     i = export_candidate(plan, "fsdp1")
     if i is None:
-        return [], "# no FSDP1 export: no FSDP1 candidate fits"
+        return Exported("FSDP1", why="no FSDP1 candidate fits")
     c = plan.candidates[i]
     t = config.training
     layer = decoder_layer_class(config)
@@ -91,11 +92,10 @@ def exports(plan, config) -> tuple[list[tuple[str, str]], str]:
                             layer, t.gradient_checkpointing or c.gradient_checkpointing)
     if layer is None:
         del acc["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"]  # Accelerate takes _no_split_modules
-    files = [(PLAN_FILE, json.dumps(plan_config(c.strategy, t.precision.name, config.gpus), indent=2,
-                                    sort_keys=True) + "\n"),
-             (ACCELERATE_FILE, yaml.safe_dump(acc, sort_keys=True))]
-    return files, (f"# {PLAN_FILE}, {ACCELERATE_FILE}: #{i} {c.strategy.name}, "
-                   f"micro_batch_size={c.micro_batch_size}, grad_accum_steps={c.grad_accum_steps}")
+    return Exported("FSDP1", files=(
+        (PLAN_FILE, json.dumps(plan_config(c.strategy, t.precision.name, config.gpus), indent=2,
+                               sort_keys=True) + "\n"),
+        (ACCELERATE_FILE, yaml.safe_dump(acc, sort_keys=True))), candidate=i)
 
 
 def emit(x) -> dict:

@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+from launcher.backends.base import Exported, export_candidate
 from launcher.types import Strategy
 
 from . import tp_plan
@@ -86,25 +87,17 @@ def decoder_layer_class(config) -> str | None:
     return ",".join(load_spec(config.model, config.cache_dir).no_split_modules) or None
 
 
-def export_candidate(plan, backend: str):
-    """The index of the candidate a backend's exports describe: the chosen one when it is the
-    backend's, else the fastest of the backend's candidates that fits and can be launched; None."""
-    ok = [i for i, c in enumerate(plan.candidates)
-          if c.strategy.backend == backend and c.fits and "not launchable" not in c.reason]
-    return plan.chosen if plan.chosen in ok else (ok[0] if ok else None)
-
-
-def exports(plan, config) -> tuple[list[tuple[str, str]], str]:
-    """([(file name, text)], header line) for launcher/exports.py: the sharding plan JSON and the
-    Accelerate FSDP2 config of the chosen candidate when it is an FSDP2 one, else of the fastest
-    FSDP2 candidate that fits and can be launched."""
+def exports(plan, config) -> Exported:
+    """The sharding plan JSON and the Accelerate FSDP2 config (launcher/exports.py) of the chosen
+    candidate when it is an FSDP2 one, else of the fastest FSDP2 candidate that fits and can be
+    launched."""
     import json
 
     import yaml
 
     i = export_candidate(plan, "fsdp2")
     if i is None:
-        return [], "# no FSDP2 export: no FSDP2 candidate fits"
+        return Exported("FSDP2", why="no FSDP2 candidate fits")
     c = plan.candidates[i]
     t = config.training
     ckpt = t.gradient_checkpointing or c.gradient_checkpointing
@@ -114,11 +107,8 @@ def exports(plan, config) -> tuple[list[tuple[str, str]], str]:
                             layer, ckpt)
     if layer is None:
         del acc["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"]  # Accelerate takes _no_split_modules
-    files = [(PLAN_FILE, json.dumps(plan_json, indent=2, sort_keys=True) + "\n"),
-             (ACCELERATE_FILE, yaml.safe_dump(acc, sort_keys=True))]
-    return files, (f"# {PLAN_FILE}, {ACCELERATE_FILE}: #{i} {c.strategy.name}"
-                   + (f" tp={c.strategy.tp_size}" if c.strategy.tp_size > 1 else "")
-                   + f", micro_batch_size={c.micro_batch_size}, grad_accum_steps={c.grad_accum_steps}")
+    return Exported("FSDP2", files=((PLAN_FILE, json.dumps(plan_json, indent=2, sort_keys=True) + "\n"),
+                                    (ACCELERATE_FILE, yaml.safe_dump(acc, sort_keys=True))), candidate=i)
 
 
 def emit(x) -> dict:
