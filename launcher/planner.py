@@ -39,7 +39,8 @@ def strategies_for(config: LauncherConfig, spec: ModelSpec | None = None) -> lis
     one-process strategy (asked for by name there, `unsupported` says why), and the strategies of a
     backend planned by name only (Backend.auto)."""
     name = config.strategy.name
-    chosen = ([s for s in STRATEGIES.values() if (s.name != "single" or config.gpus == 1) and backend_of(s).auto]
+    chosen = ([s for s in STRATEGIES.values()
+               if (config.gpus == 1 or not backend_of(s).rules(s).single_process) and backend_of(s).auto]
               if name == "auto" else [STRATEGIES[name]])
     if spec is None:
         return chosen
@@ -139,17 +140,17 @@ def variant_problem(variant: TrainingVariant, strategy, device: str) -> str:
 
 
 def quant_problem(strategy: Strategy, variant: TrainingVariant) -> str:
-    """Why this strategy cannot train this variant's quantized base, or ''. A torchao NF4 base is
-    modelled as torchtune's single-device recipe builds it (launcher/torchao_nf4.py): one
-    unsharded model per process. A GPTQ base is modelled where its recipes run it."""
+    """Why this strategy cannot train this variant's quantized base, or '' (its capability table's
+    `Rules.quant`), naming the strategies that can. A torchao NF4 base is modelled as torchtune's
+    single-device recipe builds it (launcher/torchao_nf4.py): one unsharded model per process. A
+    GPTQ base is modelled where its recipes run it."""
     quant = variant.lora.quant_type if variant.lora is not None else None
-    if quant == "torchao_nf4" and strategy.backend != "ddp":
-        return ("peft.quant_type=torchao_nf4 is modelled for unsharded models (torchtune's single-device "
-                "build); use strategy=single or ddp")
-    if str(quant).startswith("gptq") and strategy.backend not in ("ddp", "deepspeed"):
-        return (f"peft.quant_type={quant} is modelled under torch DDP and DeepSpeed (as GPTQ's LoRA recipes "
-                "run it); use strategy=single, ddp or zero0-3")
-    return ""
+    why = backend_of(strategy).rules(strategy).quant_problem(quant)
+    if not why:
+        return ""
+    able = [name for name, s in STRATEGIES.items()
+            if not backend_of(s).rules(s).quant_problem(quant) and not backend_of(s).rules(s).peft_problem(name, "qlora", "cuda")]
+    return f"{why}; use strategy={', '.join(able)}"
 
 
 def kernels_problem(config: LauncherConfig, device: str, env: Env) -> str:
@@ -562,8 +563,9 @@ def plan_notes(config: LauncherConfig, cluster: Cluster, chosen: int | None, any
 
 def suggestions(config: LauncherConfig, cluster: Cluster) -> list[str]:
     out = [f"more GPUs (gpus={cluster.num_gpus * 2})"]
-    if config.strategy.name not in ("auto", "zero3_offload"):
-        out.append("offload (strategy=zero3_offload)")
+    offload = next((n for n, s in STRATEGIES.items() if s.offload_params and backend_of(s).auto), None)
+    if offload and config.strategy.name not in ("auto", offload):
+        out.append(f"offload (strategy={offload})")
     if not config.training.gradient_checkpointing:
         out.append("gradient checkpointing (training.gradient_checkpointing=true)")
     if config.peft.method.name == "none" and not config.training.allow_peft:

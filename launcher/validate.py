@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launcher import lengths, margin
 from launcher.backends.base import in_backward_problem
+from launcher.backends.registry import STRATEGIES, backend_of
 from launcher.config import LauncherConfig
 from launcher.data_path import data_path_problem
 from launcher.errors import ConfigError, collect
@@ -97,8 +98,9 @@ def problems(c: LauncherConfig, argv: list[str] | None = None) -> list[str]:
         m, dp = t.micro_batch_size, c.gpus
         out.append(f"training.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size x "
                    f"data-parallel size = {m} x {dp}; try training.global_batch_size={m * dp * max(1, t.global_batch_size // (m * dp))}")
-    if c.strategy.name == "single" and c.gpus > 1:
-        out.append(f"strategy=single runs one process without a data-parallel wrapper; with gpus={c.gpus} "
+    one = STRATEGIES.get(c.strategy.name)
+    if one is not None and backend_of(one).rules(one).single_process and c.gpus > 1:
+        out.append(f"strategy={one.name} runs one process without a data-parallel wrapper; with gpus={c.gpus} "
                    "use strategy=ddp (or auto)")
     if t.learning_rate <= 0:
         out.append(f"training.learning_rate={t.learning_rate}: must be positive")

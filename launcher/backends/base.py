@@ -19,6 +19,22 @@ OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_torch_foreach", "sgd", 
               "paged_adamw_8bit", "paged_adamw_32bit", "adafactor")  # HF TrainingArguments `optim` names
 PEFT_METHODS = ("none", "lora", "qlora")
 DEVICES = ("cuda", "cpu")
+QUANT_MODELLED = {
+    "torchao": "is modelled for unsharded models (torchtune's single-device build)",
+    "gptq": "is modelled under torch DDP and DeepSpeed (as GPTQ's LoRA recipes run it)",
+}
+"""Quantized-base families other than bitsandbytes' (`quant_family`) -> where their memory model
+applies, for a strategy whose table (`Rules.quant`) leaves them out."""
+
+
+def quant_family(quant_type: str | None) -> str | None:
+    """The family of a peft.quant_type: 'bitsandbytes' (nf4, fp4), 'torchao' (torchao_nf4), 'gptq'
+    (gptq_*); None without one."""
+    if quant_type is None:
+        return None
+    if quant_type == "torchao_nf4":
+        return "torchao"
+    return "gptq" if str(quant_type).startswith("gptq") else "bitsandbytes"
 
 
 @dataclass(frozen=True)
@@ -70,6 +86,7 @@ class Rules:
     estimate_only: Mapping[str, str] = field(default_factory=dict)
     single_process: bool = False  # True: exactly one process (no data-parallel wrapper)
     optimizer_in_backward: bool = False  # steps each parameter in its gradient hook (training.optimizer_in_backward)
+    quant: frozenset = frozenset({"bitsandbytes"})  # quantized-base families planned under QLoRA (`quant_family`)
     min_processes: int = 1
     why: Mapping[str, str] = field(default_factory=dict)
 
@@ -96,6 +113,13 @@ class Rules:
         if ask.num_processes < self.min_processes:
             return self.why.get("processes", f"strategy={strategy} needs at least {self.min_processes} processes")
         return ""
+
+    def quant_problem(self, quant_type: str | None) -> str:
+        """Why this table's strategy does not plan a base quantized as `quant_type`, or ''."""
+        family = quant_family(quant_type)
+        if family is None or family in self.quant:
+            return ""
+        return f"peft.quant_type={quant_type} {QUANT_MODELLED.get(family, 'is not modelled here')}"
 
     def peft_problem(self, strategy: str, peft: str, device: str) -> str:
         """Why `strategy` cannot train (or plan, for `estimate_only`) `peft` adapters on `device`, or ''."""

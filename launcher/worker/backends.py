@@ -23,9 +23,6 @@ from launcher.errors import ConfigError
 from launcher.types import Strategy
 from launcher.worker.optim import OPTIMIZERS
 
-SINGLE = "single"  # the strategy that runs one process without a data-parallel wrapper
-
-
 def check_backend(spec, world_size: int) -> None:
     """Reject what the worker cannot run before any process group exists: the backend's capability
     table (the one the planner consults, launcher/backends/<name>/rules.py), then its own check of

@@ -25,4 +25,5 @@ BACKEND = Backend(
     knobs=("colossalai", "ddp"),
     expand=expand.expand, grad_accum=expand.grad_accum,
     interpreter=runtime.interpreter, attention=runtime.attention, launch_problem=runtime.candidate_problem,
+    builds_on=("ddp",),  # TorchDDPPlugin and the hybrid plugin's DP dimension are torch DDP: its layout and comm
 )

@@ -15,10 +15,14 @@ WHY = {
                 "gradients (torch/amp/grad_scaler.py unscale_: 'Attempting to unscale FP16 gradients'); "
                 "use precision=16-mixed or bf16-true"),
 }
+# QLoRA bases: bitsandbytes', torchtune's torchao NF4 (one unsharded model per process,
+# launcher/torchao_nf4.py) and GPTQ's (launcher/gptq.py, as its LoRA recipes run it)
+QUANT = frozenset({"bitsandbytes", "torchao", "gptq"})
 DDP = Rules(precisions={"cuda": TORCH_PRECISIONS, "cpu": TORCH_PRECISIONS},
-            peft=frozenset({"none", "lora", "qlora"}), peft_devices={"qlora": frozenset({"cuda", "cpu"})}, why=WHY)
+            peft=frozenset({"none", "lora", "qlora"}), peft_devices={"qlora": frozenset({"cuda", "cpu"})},
+            quant=QUANT, why=WHY)
 SINGLE = Rules(precisions=DDP.precisions, peft=DDP.peft, peft_devices=DDP.peft_devices, single_process=True,
-               optimizer_in_backward=True, why=WHY)
+               optimizer_in_backward=True, quant=QUANT, why=WHY)
 
 
 def rules(strategy: Strategy) -> Rules:

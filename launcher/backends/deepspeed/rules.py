@@ -21,12 +21,15 @@ WHY_OFFLOAD = {**WHY, "bf16-true": ("DeepSpeed's bf16 master weights under offlo
                "qlora": "QLoRA is planned under ZeRO 0-3 without offload; use strategy=zero2 or zero3"}
 # QLoRA (`peft_settings`): ZeRO 0-2 hold the 4-bit base whole; ZeRO-3 partitions it, stored as bf16 as
 # PEFT's DeepSpeed guide sets it (docs/source/accelerate/deepspeed.md, "Use PEFT QLoRA and DeepSpeed
-# with ZeRO3"; zero3.py `zero_numels`); bitsandbytes' CPU kernels run both on CPU processes
+# with ZeRO3"; zero3.py `zero_numels`); bitsandbytes' CPU kernels run both on CPU processes. GPTQ
+# bases (launcher/gptq.py) as Qwen's Q-LoRA recipe runs them under ZeRO-2
 ZERO = Rules(precisions={"cuda": frozenset({"32-true", "16-mixed", "bf16-mixed", "bf16-true"}),
                          "cpu": frozenset({"32-true", "bf16-mixed", "bf16-true"})}, why=WHY,
-             peft=frozenset({"none", "lora", "qlora"}), peft_devices={"qlora": frozenset({"cuda", "cpu"})})
+             peft=frozenset({"none", "lora", "qlora"}), peft_devices={"qlora": frozenset({"cuda", "cpu"})},
+             quant=frozenset({"bitsandbytes", "gptq"}))
 OFFLOAD = Rules(precisions={"cuda": frozenset({"32-true", "16-mixed", "bf16-mixed"}),
-                            "cpu": frozenset({"32-true", "bf16-mixed"})}, why=WHY_OFFLOAD)
+                            "cpu": frozenset({"32-true", "bf16-mixed"})}, why=WHY_OFFLOAD,
+                quant=frozenset({"bitsandbytes", "gptq"}))
 
 
 def rules(strategy: Strategy) -> Rules:
