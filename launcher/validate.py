@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import sys
-from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 

@@ -55,6 +55,11 @@ def test_accelerate_single_process_is_not_distributed():
     assert ClusterConfig(**ClusterConfig.process_config(got)).distributed_type == DistributedType.NO
 
 
+def test_accelerate_deepspeed_needs_the_run_directory_of_its_stand_alone_config():
+    with pytest.raises(ValueError, match="reads the stand-alone DeepSpeed config"):
+        accelerate_config(ZERO3, "bf16-mixed", 2, 1, "cuda")
+
+
 def test_accelerate_refuses_colossalai():
     with pytest.raises(ValueError, match="cai_gemini: Accelerate's config is written for torch DDP and DeepSpeed"):
         accelerate_config(Strategy("cai_gemini", "colossalai"), "bf16-mixed", 2, 1, "cuda")

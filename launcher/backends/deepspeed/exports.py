@@ -49,6 +49,9 @@ def accelerate_keys(strategy: Strategy, device: str, run_dir) -> dict:
     """Accelerate's DEEPSPEED launch (accelerate/commands/config/config_args.py `ClusterConfig`),
     reading the stand-alone config written into `run_dir`; ZeRO-3 builds the model partitioned
     (`zero3_init_flag`)."""
+    if run_dir is None:
+        raise ValueError("a DeepSpeed candidate's Accelerate config reads the stand-alone DeepSpeed config: "
+                         "give the run directory it is written to")
     return {"distributed_type": "DEEPSPEED",
             "deepspeed_config": {"deepspeed_config_file": str(Path(run_dir) / STANDALONE),
                                  "zero3_init_flag": strategy.zero_stage == 3}}
