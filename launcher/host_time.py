@@ -79,6 +79,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from launcher.collectives import fill_buckets
+from launcher.config import DDPConfig
 from launcher.memory.common import full_depth_numels
 from launcher.steptrace import OpClass
 from launcher.types import Cluster, Workload
@@ -121,7 +122,7 @@ class HostStyle:
 
     reduction: str
     zero_stage: int = 0
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float = 0.0  # 'ddp_reducer': its bucket size, MiB (`torch_ddp`)
     reduce_bucket_size: int = 0
     allgather_bucket_size: int = 0
     flat_buckets: Optional[Callable] = None
@@ -136,9 +137,9 @@ class HostStyle:
         return self.reduction == "zero"
 
 
-def torch_ddp(bucket_cap_mb: float = 25.0) -> HostStyle:
+def torch_ddp(bucket_cap_mb: float = DDPConfig.bucket_cap_mb) -> HostStyle:
     """torch DistributedDataParallel's reducer (torch/nn/parallel/distributed.py, reducer.cpp), with
-    `bucket_cap_mb` MiB buckets (default: DDP's own, 25)."""
+    `bucket_cap_mb` MiB buckets (default: the ddp group's default, DDP's own)."""
     return HostStyle("ddp_reducer", bucket_cap_mb=bucket_cap_mb, torch_amp=True)
 
 
