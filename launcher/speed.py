@@ -109,7 +109,7 @@ def flop_time_s(flops: Mapping[str, float], phase: str, cluster: Cluster, dtype:
 def estimate_speed(flops_per_micro_batch: Mapping[str, float], strategy: Strategy, workload: Workload,
                    cluster: Cluster, *, num_params: int, grad_accum_steps: int, dp_size: int,
                    knobs: Optional[Mapping] = None, num_trainable_params: Optional[int] = None, counts=None,
-                   spec=None, ds=None, ddp=None, cai=None) -> SpeedEstimate:
+                   spec=None) -> SpeedEstimate:
     """Time of one optimizer step and cluster throughput for one candidate.
 
     compute_s = (F + B) x grad_accum / (peak_tflops[dtype] x 1e12 x matmul_efficiency), with F, B
@@ -118,8 +118,8 @@ def estimate_speed(flops_per_micro_batch: Mapping[str, float], strategy: Strateg
     tokens_per_s = micro_batch x grad_accum x dp x seq_len / step_s. The backend's `comm`
     (launcher/backends/<name>/comm.py) gives the communication and may rescale compute (pipelines).
     `num_trainable_params` (default `num_params`) sizes gradients and optimizer work (PEFT);
-    fully sharded strategies gather all `num_params`. `knobs`: config group name -> its dataclass (`ds`, `ddp`, `cai`: the DeepSpeed, DDP and
-    ColossalAI groups one by one; defaults when absent).
+    fully sharded strategies gather all `num_params`. `knobs`: config group name -> its dataclass
+    (a group absent from it: its defaults).
 
     With `counts` (launcher/host_time.py `StepCounts` of the traced step) the host terms are
     added: on CPU processes step_s = compute_s + dispatch + activation traffic + optimizer +
@@ -127,7 +127,7 @@ def estimate_speed(flops_per_micro_batch: Mapping[str, float], strategy: Strateg
     asynchronous, so compute_s = max(FLOP time, ops x op_overhead_s) (launch-bound small
     kernels) and the rest is unchanged.
     """
-    knobs = registry_knobs(**{"deepspeed": ds, "ddp": ddp, "colossalai": cai, **(knobs or {})})
+    knobs = registry_knobs(**(knobs or {}))
     trainable = num_params if num_trainable_params is None else num_trainable_params
     dtype = compute_dtype(workload.precision)
     if dtype not in cluster.peak_tflops:

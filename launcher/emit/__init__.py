@@ -7,17 +7,15 @@ from __future__ import annotations
 from launcher.backends.base import EmitInput
 from launcher.backends.registry import REGISTRY, backend_of
 from launcher.backends.registry import knobs as registry_knobs
-from launcher.config import ColossalAIConfig, DDPConfig, DeepSpeedConfig, TrainingConfig
+from launcher.config import TrainingConfig
 from launcher.types import Strategy
 
 
-def emit(strategy: Strategy, *, training: TrainingConfig, deepspeed: DeepSpeedConfig | None = None,
-         ddp: DDPConfig | None = None, micro_batch_size: int, grad_accum_steps: int,
-         dp_size: int, colossalai: ColossalAIConfig | None = None,
-         device: str = "cuda", vocab_size: int = 0, knobs: dict | None = None) -> tuple[str, dict]:
-    """(file name, config) for the strategy's backend; `knobs` (config group -> dataclass) adds to
-    or overrides the groups given one by one."""
-    knobs = registry_knobs(**{"deepspeed": deepspeed, "ddp": ddp, "colossalai": colossalai, **(knobs or {})})
+def emit(strategy: Strategy, *, training: TrainingConfig, micro_batch_size: int, grad_accum_steps: int,
+         dp_size: int, device: str = "cuda", vocab_size: int = 0, knobs: dict | None = None) -> tuple[str, dict]:
+    """(file name, config) for the strategy's backend; `knobs`: config group name -> its dataclass
+    (a group absent from it: its defaults)."""
+    knobs = registry_knobs(**(knobs or {}))
     backend = backend_of(strategy)
     return backend.emit_file, backend.emit(EmitInput(strategy, training, knobs, micro_batch_size, grad_accum_steps,
                                                      dp_size, device, vocab_size))

@@ -46,7 +46,6 @@ from dataclasses import replace
 
 from launcher.backends.base import LayoutSet
 from launcher.backends.registry import backend_of
-from launcher.backends.registry import knobs as registry_knobs
 from launcher.lengths import VarlenRun
 from launcher.steptrace import TraceSet
 from launcher.types import Cluster, MemoryEstimate, Strategy, Workload
@@ -113,14 +112,6 @@ def _varlen(varlen: VarlenRun | None, short: LayoutSet | None, group: int, workl
         return None
     return (list(short.groups[group][1]), varlen.short_traces, varlen.batches, workload.seq_len,
             varlen.short.seq_len, varlen.profile)
-
-
-def estimate_memory(traces: TraceSet, strategy: Strategy, workload: Workload, cluster: Cluster,
-                    ds=None, ddp=None, dp_size: int = 1, cai=None, attention_workspace_bytes: int = 0,
-                    knobs=None) -> MemoryEstimate:
-    """`estimate` with the knobs given one by one (DeepSpeed, DDP, ColossalAI; defaults when None)."""
-    knobs = registry_knobs(**{"deepspeed": ds, "ddp": ddp, "colossalai": cai, **(knobs or {})})
-    return estimate(traces, strategy, workload, cluster, knobs, dp_size, attention_workspace_bytes)
 
 
 def _phase_totals(traces: TraceSet, layouts: list, gathered, extra: dict, cluster: Cluster):

@@ -4,9 +4,7 @@ that builds on another (Backend.builds_on, e.g. fsdp1 on fsdp2's layout machiner
 the source itself (the static import graph and string literals), for every registered backend.
 
 What still reaches further is listed in `OLDER` and may only shrink: a listed file that no longer
-refers to its backend fails the test too, so the list is kept exact. Today: the `ddp=` keyword of
-the estimators' older signatures (`registry_knobs(**{"ddp": ddp, ...})`: the config group's name,
-which is also the strategy's)."""
+refers to its backend fails the test too, so the list is kept exact. Today it is empty."""
 from __future__ import annotations
 
 import ast
@@ -22,9 +20,7 @@ REGISTRY_FILE = "launcher/backends/registry.py"
 SCHEMA_FILE = "launcher/config.py"
 
 # backend -> (files outside its folder that import it, files that spell one of its strategy names)
-OLDER = {
-    "ddp": (set(), {"launcher/emit/__init__.py", "launcher/memory/estimate.py", "launcher/speed.py"}),
-}
+OLDER: dict[str, tuple[set[str], set[str]]] = {}
 
 
 def references(name: str, strategies: set[str], source: str) -> tuple[bool, bool]:

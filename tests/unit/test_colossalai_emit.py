@@ -7,9 +7,8 @@ import inspect
 
 import pytest
 
-from launcher.config import ColossalAIConfig, DDPConfig, Precision, TrainingConfig
+from launcher.config import ColossalAIConfig, Precision, TrainingConfig
 from launcher.emit import emit
-from launcher.config import DeepSpeedConfig
 from launcher.planner import STRATEGIES
 
 needs_cai = pytest.mark.skipif(importlib.util.find_spec("colossalai") is None,
@@ -18,9 +17,8 @@ needs_cai = pytest.mark.skipif(importlib.util.find_spec("colossalai") is None,
 
 def _emit(name, precision="bf16-mixed", device="cuda", **cai):
     training = TrainingConfig(precision=Precision[precision])
-    return emit(STRATEGIES[name], training=training, deepspeed=DeepSpeedConfig(), ddp=DDPConfig(),
-                micro_batch_size=1, grad_accum_steps=1, dp_size=2, colossalai=ColossalAIConfig(**cai),
-                device=device)
+    return emit(STRATEGIES[name], training=training, micro_batch_size=1, grad_accum_steps=1, dp_size=2,
+                knobs={"colossalai": ColossalAIConfig(**cai)}, device=device)
 
 
 @needs_cai

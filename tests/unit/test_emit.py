@@ -68,15 +68,15 @@ def test_deepspeed_golden(name):
     assert cfg == json.loads((GOLDEN / f"{name}.json").read_text())
     assert emit(strategy, training=TrainingConfig(precision=Precision[DS_CASES[name][1]],
                                                   max_grad_norm=DS_CASES[name][2]),
-                deepspeed=DS_CASES[name][3], ddp=DDPConfig(), micro_batch_size=2,
+                knobs={"deepspeed": DS_CASES[name][3]}, micro_batch_size=2,
                 grad_accum_steps=4, dp_size=2) == ("ds_config.json", cfg)
 
 
 def test_ddp_golden():
     """The golden file holds torch 2.13's name for the buffer flag (the pinned CPU torch)."""
     assert ddp_settings(DDPConfig()) == json.loads((GOLDEN / "ddp_config.json").read_text())
-    file_name, cfg = emit(Strategy("ddp", "ddp"), training=TrainingConfig(), deepspeed=DeepSpeedConfig(),
-                          ddp=DDPConfig(), micro_batch_size=2, grad_accum_steps=4, dp_size=2)
+    file_name, cfg = emit(Strategy("ddp", "ddp"), training=TrainingConfig(), micro_batch_size=2,
+                          grad_accum_steps=4, dp_size=2)
     assert (file_name, cfg) == ("ddp_config.json", ddp_settings(DDPConfig()))
 
 
@@ -84,8 +84,8 @@ def test_registry_covers_every_backend_with_a_distinct_file():
     assert {"deepspeed", "ddp", "colossalai"} <= set(EMITTERS)
     assert len(set(EMITTERS.values())) == len(EMITTERS)
     with pytest.raises(ConfigError, match="backend='unknown-backend' is not registered"):
-        emit(Strategy("other", "unknown-backend"), training=TrainingConfig(), deepspeed=DeepSpeedConfig(),
-             ddp=DDPConfig(), micro_batch_size=1, grad_accum_steps=1, dp_size=1)
+        emit(Strategy("other", "unknown-backend"), training=TrainingConfig(), micro_batch_size=1,
+             grad_accum_steps=1, dp_size=1)
 
 
 @pytest.mark.parametrize("name", sorted(DS_CASES))

@@ -6,7 +6,6 @@ import pytest
 import yaml
 
 from launcher.calibrate_frameworks import add_to_profile, fit, residual
-from launcher.config import DeepSpeedConfig
 from launcher.speed import estimate_speed
 
 from test_host_time import COUNTS, CPU, DDP, WL, Z
@@ -49,13 +48,11 @@ def test_step_time_adds_per_step_and_per_tensor_per_micro_batch_overhead():
     counts = replace(COUNTS, num_param_tensors=30)
     calibrated = replace(CPU, framework_overhead_s={"zero2": [0.01, 0.001]})
     for accum in (1, 3):
-        base = estimate_speed(FLOPS, Z[2], WL, CPU, num_params=N, grad_accum_steps=accum, dp_size=2,
-                              ds=DeepSpeedConfig(), counts=counts)
+        base = estimate_speed(FLOPS, Z[2], WL, CPU, num_params=N, grad_accum_steps=accum, dp_size=2, counts=counts)
         got = estimate_speed(FLOPS, Z[2], WL, calibrated, num_params=N, grad_accum_steps=accum, dp_size=2,
-                             ds=DeepSpeedConfig(), counts=counts)
+                             counts=counts)
         assert got.step_s - base.step_s == pytest.approx(0.01 + 0.001 * 30 * accum)
         assert got.breakdown["framework_overhead_s"] == pytest.approx(0.01 + 0.001 * 30 * accum)
     # a strategy the profile has no number for gets none
-    ddp = estimate_speed(FLOPS, DDP, WL, calibrated, num_params=N, grad_accum_steps=1, dp_size=2,
-                         ds=DeepSpeedConfig(), counts=counts)
+    ddp = estimate_speed(FLOPS, DDP, WL, calibrated, num_params=N, grad_accum_steps=1, dp_size=2, counts=counts)
     assert ddp.breakdown["framework_overhead_s"] == 0.0

@@ -128,17 +128,17 @@ def test_single_rank_has_no_collectives_but_the_worker_calls():
 
 def test_estimate_speed_cpu_adds_host_terms_and_gpu_is_launch_bound_only_when_tiny():
     flops = {"forward": 1e9, "backward": 2e9}
-    base = estimate_speed(flops, DDP, WL, CPU, num_params=N, grad_accum_steps=1, dp_size=2, ds=DeepSpeedConfig())
-    full = estimate_speed(flops, DDP, WL, CPU, num_params=N, grad_accum_steps=1, dp_size=2, ds=DeepSpeedConfig(),
+    base = estimate_speed(flops, DDP, WL, CPU, num_params=N, grad_accum_steps=1, dp_size=2)
+    full = estimate_speed(flops, DDP, WL, CPU, num_params=N, grad_accum_steps=1, dp_size=2,
                           counts=COUNTS)
     host = {k[5:]: v for k, v in full.breakdown.items() if k.startswith("host_")}
     assert full.step_s == pytest.approx(base.compute_s + sum(host.values()))
     gpu = replace(CPU, device="cuda", peak_tflops={"fp32": 100.0}, op_overhead_s=5e-6)
-    g = estimate_speed(flops, DDP, WL, gpu, num_params=N, grad_accum_steps=1, dp_size=2, ds=DeepSpeedConfig(),
+    g = estimate_speed(flops, DDP, WL, gpu, num_params=N, grad_accum_steps=1, dp_size=2,
                        counts=COUNTS)
     assert g.compute_s == pytest.approx(max(3e9 / 100e12, 330 * 5e-6))
     big = {"forward": 1e14, "backward": 2e14}
-    g2 = estimate_speed(big, DDP, WL, gpu, num_params=N, grad_accum_steps=1, dp_size=2, ds=DeepSpeedConfig(),
+    g2 = estimate_speed(big, DDP, WL, gpu, num_params=N, grad_accum_steps=1, dp_size=2,
                         counts=COUNTS)
     assert g2.compute_s == pytest.approx(3e14 / 100e12)
 
@@ -151,13 +151,11 @@ def test_gpu_launch_floor_holds_for_gemini_and_pipeline_stages(strategy):
     kernels: their step had no launch floor, so a launch-bound model planned them 50-80x faster
     than DDP (tiny-llama on 2 A100s: 340M against 4M tokens/s). A pipeline stage launches 1/pp
     of the layers' ops for each of its micro-batches."""
-    from launcher.config import ColossalAIConfig
-
     gpu = replace(CPU, device="cuda", peak_tflops={"fp32": 100.0}, op_overhead_s=5e-6)
     flops = {"forward": 1e9, "backward": 2e9}
     accum = 4
     g = estimate_speed(flops, strategy, WL, gpu, num_params=N, grad_accum_steps=accum, dp_size=2 // strategy.pp_size,
-                       cai=ColossalAIConfig(), counts=COUNTS)
+                       counts=COUNTS)
     launches = (COUNTS.forward_ops + COUNTS.backward_ops) * accum / strategy.pp_size + COUNTS.optimizer_ops
     assert g.compute_s >= launches * 5e-6 > accum * 3e9 / 100e12
 
@@ -167,11 +165,9 @@ def test_a_pipeline_stage_on_cpu_does_its_share_of_the_host_work_stretched_by_th
     activation traffic, stretched by the 1F1B flush's (m + p - 1) / m like its FLOP time, and the
     optimizer over 1/p of the parameters. Without host terms a 2-stage pipeline was planned 2.4x
     faster than DDP for tiny-llama on 2 CPU processes (and measured 2.2x slower)."""
-    from launcher.config import ColossalAIConfig
-
     flops, accum = {"forward": 1e9, "backward": 2e9}, 2  # m = pp = 2 micro-batches per flush
     pp = estimate_speed(flops, Strategy("cai_pp", "colossalai", pp_size=2), WL, CPU, num_params=N,
-                        grad_accum_steps=accum, dp_size=1, cai=ColossalAIConfig(), counts=COUNTS).breakdown
+                        grad_accum_steps=accum, dp_size=1, counts=COUNTS).breakdown
     whole = estimate_speed(flops, DDP, WL, CPU, num_params=N, grad_accum_steps=accum, dp_size=1,
                            counts=COUNTS).breakdown
     stretch = (2 + 2 - 1) / 2

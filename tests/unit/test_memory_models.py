@@ -5,7 +5,8 @@ import pytest
 
 from launcher.config import DDPConfig, DeepSpeedConfig
 from launcher.errors import ConfigError
-from launcher.memory.estimate import estimate_memory, trace_request
+from launcher.backends.registry import knobs as registry_knobs
+from launcher.memory.estimate import estimate, trace_request
 from launcher.memory.common import model_state_bytes
 from launcher.backends.deepspeed.layout import ZeroSetup, zero0_layout, zero12_layout
 from launcher.backends.deepspeed.zero3 import gathered_param_bytes, zero3_layout
@@ -90,8 +91,8 @@ WL32 = Workload(8, 1, "32-true", "adamw_torch", False, "sdpa")
 def test_ddp_peak_is_composed_by_hand_and_extrapolated(bucket_view):
     L = 6
     traces = TraceSet(synthetic_trace(1), synthetic_trace(2), L)
-    est = estimate_memory(traces, Strategy("ddp", "ddp"), WL32, CPU, DeepSpeedConfig(),
-                          DDPConfig(gradient_as_bucket_view=bucket_view), 2)
+    est = estimate(traces, Strategy("ddp", "ddp"), WL32, CPU,
+                   registry_knobs(ddp=DDPConfig(gradient_as_bucket_view=bucket_view)), 2)
     n = psi(L)
     params, buckets, states = 4 * n, 4 * n, 8 * n + 4 * (1 + 2 * L)
     acts = L * ACT_PER_LAYER
@@ -189,8 +190,8 @@ def test_trace_request_follows_each_framework():
 def test_gpu_estimate_adds_runtime_terms_and_reserved_covers_allocated():
     gpu = Cluster("a100", "cuda", 2, 1, 80 * 2**30, 2**38, {}, 0.5, 1, 1, 1, 1, 80, 768 * 2**20)
     traces = TraceSet(synthetic_trace(1), synthetic_trace(2), 4)
-    cpu = estimate_memory(traces, Strategy("ddp", "ddp"), WL32, CPU, DeepSpeedConfig(), DDPConfig(), 2)
-    est = estimate_memory(traces, Strategy("ddp", "ddp"), WL32, gpu, DeepSpeedConfig(), DDPConfig(), 2)
+    cpu = estimate(traces, Strategy("ddp", "ddp"), WL32, CPU, registry_knobs(), 2)
+    est = estimate(traces, Strategy("ddp", "ddp"), WL32, gpu, registry_knobs(), 2)
     workspace = 2 * 8_519_680
     assert est.peak_allocated_bytes >= cpu.peak_allocated_bytes + workspace
     assert est.peak_allocated_bytes <= cpu.peak_allocated_bytes + workspace + 512 * 200

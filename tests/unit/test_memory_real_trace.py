@@ -4,7 +4,8 @@ import json
 import pytest
 
 from launcher.config import DDPConfig, DeepSpeedConfig
-from launcher.memory.estimate import estimate_memory, layout_set, trace_request
+from launcher.backends.registry import knobs as registry_knobs
+from launcher.memory.estimate import estimate, layout_set, trace_request
 from launcher.memory.common import model_state_bytes
 from launcher.types import Cluster, Strategy, Workload
 
@@ -30,7 +31,7 @@ def test_ddp_estimate_is_at_least_the_single_process_traced_peak(tmp_path):
     ddp = Strategy("ddp", "ddp")
     traces = _traces(ddp, wl, tmp_path)
     single = traces.at_depth(lambda t: int(t.live_curve().max()))
-    est = estimate_memory(traces, ddp, wl, CPU, TINY_BUCKETS, DDPConfig(), 2)
+    est = estimate(traces, ddp, wl, CPU, registry_knobs(deepspeed=TINY_BUCKETS, ddp=DDPConfig()), 2)
     assert est.peak_allocated_bytes >= single
     num_params = traces.at_depth(lambda t: int(t.params.numel.sum()))
     assert est.peak_allocated_bytes <= single + 4 * num_params  # at most one bucket copy more
@@ -44,7 +45,7 @@ def test_zero_stages_order_model_state_bytes(tmp_path):
         traces = _traces(s, wl, tmp_path)
         layouts = layout_set(traces, s, wl, {"deepspeed": TINY_BUCKETS, "ddp": DDPConfig()}, 2, "cpu").groups[0][1]
         got[stage] = model_state_bytes(layouts[1])
-        assert estimate_memory(traces, s, wl, CPU, TINY_BUCKETS, DDPConfig(), 2).peak_allocated_bytes > 0
+        assert estimate(traces, s, wl, CPU, registry_knobs(deepspeed=TINY_BUCKETS, ddp=DDPConfig()), 2).peak_allocated_bytes > 0
     assert got[3] < got[2] < got[1] <= got[0]
 
 

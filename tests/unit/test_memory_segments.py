@@ -13,7 +13,7 @@ import pytest
 
 from launcher.backends.registry import knobs as registry_knobs
 from launcher.config import DDPConfig, DeepSpeedConfig
-from launcher.memory.estimate import estimate_memory, layout_set, trace_request
+from launcher.memory.estimate import estimate, layout_set, trace_request
 from launcher.planner import STRATEGIES
 from launcher.steptrace import TraceSet
 from launcher.types import Cluster, Workload
@@ -81,7 +81,7 @@ def _cache(tmp_path_factory):
 
 
 def _estimate(traces, strategy, wl, cluster):
-    return estimate_memory(traces, strategy, wl, cluster, SMALL_BUCKETS, SMALL_DDP_BUCKETS, DP)
+    return estimate(traces, strategy, wl, cluster, registry_knobs(deepspeed=SMALL_BUCKETS, ddp=SMALL_DDP_BUCKETS), DP)
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))

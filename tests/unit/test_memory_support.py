@@ -12,12 +12,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from launcher.config import DDPConfig, DeepSpeedConfig
+from launcher.config import DeepSpeedConfig
 from launcher.backends.deepspeed.emit import unsupported_reason
 from launcher.errors import ConfigError
 from launcher.backends.base import Ask
 from launcher.backends.registry import backend_of
-from launcher.memory.estimate import estimate_memory, trace_request
+from launcher.backends.registry import knobs as registry_knobs
+from launcher.memory.estimate import estimate, trace_request
 from launcher.planner import STRATEGIES
 from launcher.steptrace import TraceSet
 from launcher.types import Cluster, Workload
@@ -56,7 +57,7 @@ def test_every_supported_pair_is_estimated(case):
     wl = Workload(8, 1, precision, "adamw_torch", False, "sdpa")
     esize = {"float32": 4, "bfloat16": 2, "float16": 2}[trace_request(strategy, wl)["param_dtype"]]
     traces = TraceSet(synthetic_trace(1, esize, optimizer=False), synthetic_trace(2, esize, optimizer=False), 4)
-    est = estimate_memory(traces, strategy, wl, GPU, DeepSpeedConfig(), DDPConfig(), 2)
+    est = estimate(traces, strategy, wl, GPU, registry_knobs(), 2)
     assert est.peak_allocated_bytes > 0 and est.device_total_bytes >= est.peak_reserved_bytes
 
 
@@ -69,7 +70,7 @@ def test_bf16_true_zero0_has_no_master_weights():
     states = {}
     for precision in ("bf16-true", "bf16-mixed"):
         wl = Workload(8, 1, precision, "adamw_torch", False, "sdpa")
-        est = estimate_memory(traces, z0, wl, GPU, DeepSpeedConfig(), DDPConfig(), 2)
+        est = estimate(traces, z0, wl, GPU, registry_knobs(), 2)
         states[precision] = est.breakdown["optimizer_states"]
     assert states["bf16-true"] <= 2 * 2 * num_params + 4 * num_params  # exp_avg, exp_avg_sq + temps
     assert states["bf16-mixed"] >= (4 + 2 * 4) * num_params  # fp32 master + fp32 states

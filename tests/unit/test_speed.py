@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from launcher.config import DDPConfig, DeepSpeedConfig
+from launcher.config import DeepSpeedConfig
 from launcher.errors import ConfigError
 from launcher.speed import HOST_ADAM_PARAMS_PER_S, estimate_speed
 from launcher.types import Cluster, Strategy, Workload
@@ -38,8 +38,8 @@ def run(strategy, clu, *, flops=(1e12, 2e12), precision="32-true", num_params=25
         accum=1, dp=None, ds=None, ddp=None, trainable=None):
     return estimate_speed({"forward": flops[0], "backward": flops[1]}, strategy, workload(precision),
                           clu, num_params=num_params, grad_accum_steps=accum,
-                          dp_size=clu.num_gpus if dp is None else dp, ds=ds or DeepSpeedConfig(),
-                          ddp=ddp or DDPConfig(), num_trainable_params=trainable)
+                          dp_size=clu.num_gpus if dp is None else dp,
+                          knobs={"deepspeed": ds, "ddp": ddp}, num_trainable_params=trainable)
 
 
 def test_single_gpu_is_pure_compute():
@@ -56,11 +56,10 @@ def test_attention_kernel_flops_at_the_measured_attention_rate():
     factor: a measured sustained rate); without one, at peak x efficiency like the matmuls."""
     flops = {"forward": 1e12, "backward": 2e12, "attention_forward": 0.2e12, "attention_backward": 0.5e12}
     ws = workload()
-    plain = estimate_speed(flops, DDP, ws, cluster(), num_params=1000, grad_accum_steps=1, dp_size=1,
-                           ds=DeepSpeedConfig())
+    plain = estimate_speed(flops, DDP, ws, cluster(), num_params=1000, grad_accum_steps=1, dp_size=1)
     assert plain.compute_s == pytest.approx(3e12 / (20.0e12 * 0.5))
     slow = dataclasses.replace(cluster(), attention_tflops={"fp32": 1.0, "bf16": 50.0})
-    got = estimate_speed(flops, DDP, ws, slow, num_params=1000, grad_accum_steps=2, dp_size=1, ds=DeepSpeedConfig())
+    got = estimate_speed(flops, DDP, ws, slow, num_params=1000, grad_accum_steps=2, dp_size=1)
     assert got.compute_s == pytest.approx(2 * ((3e12 - 0.7e12) / (20.0e12 * 0.5) + 0.7e12 / 1.0e12))
 
 

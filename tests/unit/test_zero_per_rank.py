@@ -7,7 +7,8 @@ import pytest
 
 from launcher.config import DDPConfig, DeepSpeedConfig
 from launcher.measure import memory_rows
-from launcher.memory.estimate import estimate_memory
+from launcher.backends.registry import knobs as registry_knobs
+from launcher.memory.estimate import estimate
 from launcher.memory.common import category_curves
 from launcher.backends.deepspeed.layout import (ZeroSetup, full_depth_flush_events, gradient_partitions, norm_pieces,
                                        grads_in_partition_numel, partition_mask, reduce_events,
@@ -153,7 +154,7 @@ def test_ranks_differ_only_by_their_gradient_partition_and_when_it_appears():
 def test_estimate_reports_each_rank_and_the_worst_as_headline():
     traces = TraceSet(tied_embedding_trace(1, act=8), tied_embedding_trace(2, act=8), 2)
     ds = DeepSpeedConfig(reduce_bucket_size=150, allgather_bucket_size=150)
-    est = estimate_memory(traces, Strategy("zero2", "deepspeed", 2), WL32, CPU, ds, DDPConfig(), 2)
+    est = estimate(traces, Strategy("zero2", "deepspeed", 2), WL32, CPU, registry_knobs(deepspeed=ds, ddp=DDPConfig()), 2)
     r0, r1 = est.per_rank_peak_allocated_bytes
     assert est.peak_allocated_bytes == max(r0, r1) == r1
     # Elements (4 bytes) beyond what every rank holds all step (flat parameters, master, states): at
@@ -167,7 +168,7 @@ def test_estimate_reports_each_rank_and_the_worst_as_headline():
     assert r1 - r0 == 4 * (2350 - 2200) + 8
     assert est.peak_phase == "backward"
     assert est.rank_peak_allocated_bytes(0) == r0
-    ddp = estimate_memory(traces, Strategy("ddp", "ddp"), WL32, CPU, ds, DDPConfig(), 2)
+    ddp = estimate(traces, Strategy("ddp", "ddp"), WL32, CPU, registry_knobs(deepspeed=ds, ddp=DDPConfig()), 2)
     assert ddp.per_rank_peak_allocated_bytes == ()
     assert ddp.rank_peak_allocated_bytes(1) == ddp.peak_allocated_bytes
 
