@@ -211,7 +211,9 @@ def verdict_table(plan: dict) -> str:
 
 
 def notes_html(plan: dict) -> str:
-    items = [f"<li>{html.escape(n)}</li>" for n in plan.get("notes", [])]
+    from launcher.report_table import grouped_notes
+
+    items = [f"<li>{html.escape(n)}</li>" for n in grouped_notes(plan.get("notes", []))]
     if plan["chosen"] is not None:
         items += [f"<li>{html.escape(n)}</li>" for n in plan["candidates"][plan["chosen"]]["memory"]["notes"]]
     return f"<ul id='assumptions'>{''.join(items)}</ul>"

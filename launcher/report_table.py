@@ -17,6 +17,44 @@ from launcher.types import Candidate, Plan
 WIDTH = 120
 """Widest line of the default table (launcher/report.py line_width); report=wide uses 220 or more."""
 
+NOT_PLANNED = re.compile(r"(?P<name>\S+)(?: \((?P<variant>[^()]*)\))? not planned: (?P<why>.*)", re.S)
+"""A planner note `<strategy>[ (<training variant>)] not planned: <reason>` (launcher/planner.py)."""
+
+
+def grouped_notes(notes: list[str]) -> list[str]:
+    """The plan's notes as printed: the `not planned` lines that give one reason are one line,
+    `cai_ddp, cai_zero1 (lora r=8; lora r=8 +ckpt) not planned: <reason>`, where the strategies
+    named share the variants listed (strategies with other variants get a line of their own);
+    every other note as it is, in the order the first of each group came. plan.json keeps every
+    line."""
+    out: list = []
+    groups: dict[str, dict[str, list]] = {}
+    for note in notes:
+        m = NOT_PLANNED.fullmatch(note)
+        if m is None:
+            out.append(note)
+            continue
+        if m["why"] not in groups:
+            groups[m["why"]] = {}
+            out.append((m["why"],))
+        variants = groups[m["why"]].setdefault(m["name"], [])
+        if m["variant"] not in variants:
+            variants.append(m["variant"])
+    lines = []
+    for item in out:
+        if isinstance(item, str):
+            lines.append(item)
+            continue
+        why = item[0]
+        by_variants: dict[tuple, list[str]] = {}
+        for name, variants in groups[why].items():
+            by_variants.setdefault(tuple(variants), []).append(name)
+        for variants, names in by_variants.items():
+            shown = [v for v in variants if v]
+            suffix = f" ({'; '.join(shown)})" if shown else ""
+            lines.append(f"{', '.join(names)}{suffix} not planned: {why}")
+    return lines
+
 
 def strategy_rows(plan: Plan) -> list[tuple[int, list[int]]]:
     """(shown candidate, every candidate of its group) per strategy, in rank order of the shown
@@ -149,7 +187,7 @@ def print_plan(plan: Plan, capacity_bytes: int, device: str = "cuda", wide: bool
     console.print(build_table(plan, capacity_bytes, device, wide))
     for line in legend(plan, unit, device, wide):
         console.print(line, markup=False)
-    for note in plan.notes:
+    for note in grouped_notes(plan.notes):
         console.print(f"note: {note}", markup=False)
     if plan.chosen is not None:
         c = plan.candidates[plan.chosen]

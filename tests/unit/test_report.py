@@ -110,6 +110,27 @@ def test_short_verdict(reason, short):
     assert short_verdict(c, chosen=False) == short
 
 
+def test_notes_with_one_reason_print_as_one_line():
+    """Eight `not planned` lines for ColossalAI under LoRA (4 plugins x 2 training variants) print
+    as one; strategies that share a reason but not the variants get their own line; notes of
+    another shape and the order of first appearance are kept."""
+    from launcher.report_table import grouped_notes
+
+    lora = "does not run peft=lora: LoRA with ColossalAI plugins is not modelled; use ddp or DeepSpeed zero0-3"
+    notes = ["cai_tp tp=3 not planned: tp_size=3 does not divide the 4 attention heads"]
+    notes += [f"{s} ({v}) not planned: {lora}" for v in ("lora r=8", "lora r=8 +ckpt")
+              for s in ("cai_ddp", "cai_zero1", "cai_zero2", "cai_gemini")]
+    notes += ["fsdp2_tp (lora r=8) not planned: " + lora,
+              "fsdp2_tp not planned: training.liger_kernel", "cai_tp not planned: training.liger_kernel",
+              "cai_pp not planned at micro-batch 3 (for some layouts): 1F1B"]
+    assert grouped_notes(notes) == [
+        "cai_tp tp=3 not planned: tp_size=3 does not divide the 4 attention heads",
+        f"cai_ddp, cai_zero1, cai_zero2, cai_gemini (lora r=8; lora r=8 +ckpt) not planned: {lora}",
+        f"fsdp2_tp (lora r=8) not planned: {lora}",
+        "fsdp2_tp, cai_tp not planned: training.liger_kernel",
+        "cai_pp not planned at micro-batch 3 (for some layouts): 1F1B"]
+
+
 def test_cpu_processes_not_gpus(runs):
     r, _ = runs(*TINY_ZERO3, "mode=plan")
     title = next(ln for ln in r.stdout.splitlines() if "tiny-llama" in ln)
