@@ -17,8 +17,8 @@ from launcher.types import Candidate, Plan
 WIDTH = 120
 """Widest line of the default table (launcher/report.py line_width); report=wide uses 220 or more."""
 
-NOT_PLANNED = re.compile(r"(?P<name>\S+)(?: \((?P<variant>[^()]*)\))? not planned: (?P<why>.*)", re.S)
-"""A planner note `<strategy>[ (<training variant>)] not planned: <reason>` (launcher/planner.py)."""
+NOT_PLANNED = re.compile(r"(?P<name>\S+(?: tp=\d+)?)(?: \((?P<variant>[^()]*)\))? not planned: (?P<why>.*)", re.S)
+"""A planner note `<strategy>[ tp=<n>][ (<training variant>)] not planned: <reason>` (launcher/planner.py)."""
 
 
 def grouped_notes(notes: list[str]) -> list[str]:

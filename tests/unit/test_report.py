@@ -117,14 +117,15 @@ def test_notes_with_one_reason_print_as_one_line():
     from launcher.report_table import grouped_notes
 
     lora = "does not run peft=lora: LoRA with ColossalAI plugins is not modelled; use ddp or DeepSpeed zero0-3"
-    notes = ["cai_tp tp=3 not planned: tp_size=3 does not divide the 4 attention heads"]
+    tp3 = "tp_size=3 does not divide the 4 attention heads"
+    notes = [f"fsdp2_tp tp=3 not planned: {tp3}", f"cai_tp tp=3 not planned: {tp3}"]
     notes += [f"{s} ({v}) not planned: {lora}" for v in ("lora r=8", "lora r=8 +ckpt")
               for s in ("cai_ddp", "cai_zero1", "cai_zero2", "cai_gemini")]
     notes += ["fsdp2_tp (lora r=8) not planned: " + lora,
               "fsdp2_tp not planned: training.liger_kernel", "cai_tp not planned: training.liger_kernel",
               "cai_pp not planned at micro-batch 3 (for some layouts): 1F1B"]
     assert grouped_notes(notes) == [
-        "cai_tp tp=3 not planned: tp_size=3 does not divide the 4 attention heads",
+        f"fsdp2_tp tp=3, cai_tp tp=3 not planned: {tp3}",
         f"cai_ddp, cai_zero1, cai_zero2, cai_gemini (lora r=8; lora r=8 +ckpt) not planned: {lora}",
         f"fsdp2_tp (lora r=8) not planned: {lora}",
         "fsdp2_tp, cai_tp not planned: training.liger_kernel",
