@@ -137,6 +137,11 @@ class Rules:
                 + (reason if reason else f"use one of {', '.join(ok) or 'none'}"))
 
 
+def default_group(strategy: Strategy, dp: int) -> int:
+    """Ranks of the default process group: every rank of the run (dp x tp x pp)."""
+    return dp * strategy.tp_size * strategy.pp_size
+
+
 @dataclass(frozen=True)
 class Backend:
     """One backend: its strategies (name -> template) and what each layer calls.
@@ -179,6 +184,9 @@ class Backend:
       candidates get no accelerate_config.yaml (FSDP writes its own through `exports`).
     - `launch_commands(per_node, num_machines, run_json, master_port)`: launchers of its own that
       start the job besides torchrun ({name: argv}, written to launch_commands.sh).
+    - `communicators(strategy, dp)`: the rank counts of the NCCL communicators one rank holds in
+      training, each costing launcher/memory/runtime.py `nccl_bytes` on a GPU; default: the
+      default process group alone, which the worker's per-step collectives use.
     """
 
     name: str
@@ -209,6 +217,7 @@ class Backend:
     peft_settings: Optional[Callable[[Strategy, Any], Any]] = None  # (strategy, LoraSettings) -> what its ranks run
     auto: bool = True  # planned under strategy=auto; False: only when one of its strategies is asked for by name
     builds_on: tuple = ()  # backends whose modules this one's folder imports (shared rules, layout machinery)
+    communicators: Callable[[Strategy, int], tuple] = lambda strategy, dp: (default_group(strategy, dp),)
 
     def attention_of(self, strategy: Strategy, model_type: str, planned: str) -> str:
         """The attention implementation `strategy`'s ranks run for `planned` (what the estimate traces)."""

@@ -91,8 +91,12 @@ def estimate(traces: TraceSet, strategy: Strategy, workload: Workload, cluster: 
         extra = {**extra, "backward": dict(extra.get("backward", {}))}
         extra["backward"]["buffers"] = extra["backward"].get("buffers", 0) + attention_workspace_bytes
         notes = notes + (FLASH_NOTE,)
+    communicators = backend_of(strategy).communicators(strategy, dp_size)
+    nccl = runtime.communicators_bytes(communicators)
+    if cluster.device == "cuda" and nccl:
+        notes += (communicators_note(communicators, nccl),)
     if len(ls.groups) == 1 and not ls.groups[0][0]:
-        return _estimate(traces, list(ls.groups[0][1]), notes, gathered, extra, cluster, dp_size,
+        return _estimate(traces, list(ls.groups[0][1]), notes, gathered, extra, cluster, nccl,
                          replay_memo=replay_memo, varlen=_varlen(varlen, short, 0, workload))
     per_rank, worst = {}, None
     for g, (ranks, layouts) in enumerate(ls.groups):  # the allocator replay (cuda reserved) only for the worst rank
@@ -100,7 +104,7 @@ def estimate(traces: TraceSet, strategy: Strategy, workload: Workload, cluster: 
         per_rank.update((r, totals[2]) for r in ranks)
         if worst is None or totals[2] > worst[1][2]:
             worst = (list(layouts), totals, g)
-    est = _estimate(traces, worst[0], notes, gathered, extra, cluster, dp_size, totals=worst[1],
+    est = _estimate(traces, worst[0], notes, gathered, extra, cluster, nccl, totals=worst[1],
                     replay_memo=replay_memo, varlen=_varlen(varlen, short, worst[2], workload))
     return replace(est, per_rank_peak_allocated_bytes=tuple(per_rank[r] for r in sorted(per_rank)))
 
@@ -139,9 +143,10 @@ def _phase_totals(traces: TraceSet, layouts: list, gathered, extra: dict, cluste
 
 
 def _estimate(traces: TraceSet, layouts: list, notes, gathered, extra: dict, cluster: Cluster,
-              dp_size: int, totals=None, replay_memo=None, varlen=None) -> MemoryEstimate:
-    """The estimate of one rank from its layouts at the two traced depths (`totals`: their
-    `_phase_totals`, when already computed; `varlen`: `_varlen`)."""
+              nccl: int, totals=None, replay_memo=None, varlen=None) -> MemoryEstimate:
+    """The estimate of one rank from its layouts at the two traced depths (`nccl`: the bytes of its
+    NCCL communicators on a GPU; `totals`: their `_phase_totals`, when already computed; `varlen`:
+    `_varlen`)."""
     cuda = cluster.device == "cuda"
     total, breakdown, _ = totals or _phase_totals(traces, layouts, gathered, extra, cluster)
     phase = max(PHASES, key=lambda ph: total[ph])
@@ -157,7 +162,7 @@ def _estimate(traces: TraceSet, layouts: list, notes, gathered, extra: dict, clu
                               tuple(notes) + CPU_NOTES)
     workspace = runtime.cublas_workspace_bytes(cluster.sm_arch)
     allocated = total[phase] + workspace
-    outside = runtime.cuda_context_bytes(cluster.cuda_context_bytes) + runtime.nccl_bytes(dp_size)
+    outside = runtime.cuda_context_bytes(cluster.cuda_context_bytes) + nccl
     # a step whose live bytes alone exceed the GPU cannot fit, whatever the cache: its replay runs
     # at the traced depth, which costs a tenth of the real depth's
     over = allocated + outside > cluster.memory_bytes
@@ -184,6 +189,14 @@ def _estimate(traces: TraceSet, layouts: list, notes, gathered, extra: dict, clu
     return MemoryEstimate(allocated, reserved, reserved + outside, host, bd, phase,
                           tuple(notes) + GPU_NOTES + expandable + ((OVER_NOTE,) if over else ()),
                           needed_bytes=needed + outside)
+
+
+def communicators_note(communicators, nccl: int) -> str:
+    """The NCCL communicators a rank holds (the backend's `communicators`), for the notes."""
+    groups = [n for n in communicators if n > 1]
+    return (f"NCCL: {len(groups)} communicator{'s' if len(groups) > 1 else ''} per rank "
+            f"({', '.join(f'{n} ranks' for n in groups)}: the default process group and those the framework "
+            f"creates), {nccl / 2**20:.0f} MiB outside the allocator.")
 
 
 def varlen_note(profile: str, batches, held_varlen: int, held_fixed: int) -> str:
@@ -219,7 +232,7 @@ GPU_NOTES = (
     "out-of-memory retry cannot release (the allocator frees its unused cached segments before it "
     "reports out of memory, CUDACachingAllocator.cpp release_cached_blocks) + CUDA context + NCCL; "
     "device total is what nvidia-smi shows when memory is plentiful.",
-    "device total = reserved + CUDA context (hardware setting) + NCCL per process group "
-    "(544 MiB for 2 ranks, 688 MiB for more: NVIDIA/nccl issue 964, one group assumed).",
+    "device total = reserved + CUDA context (hardware setting) + NCCL per communicator "
+    "(544 MiB for 2 ranks, 688 MiB for more: NVIDIA/nccl issue 964).",
     "breakdown: parameters..buffers at the allocated peak; runtime = cuBLAS + context + NCCL.",
 )

@@ -40,12 +40,19 @@ def nccl_bytes(num_ranks: int, num_process_groups: int = 1) -> int:
     """NCCL communicator buffers, outside the allocator. Measured per process group on 4xA100 NVLink
     (NVIDIA/nccl issue 964): 544 MiB with 2 ranks, 688 MiB with more. Assumption: the same figures
     for every GPU type and NCCL version, MiB as nvidia-smi reports, one communicator per process
-    group, none with a single rank (no collective runs). NVLS on H100 (about +256 MiB) and several
-    communicators (issue 864: up to 6 GB) are not modelled."""
+    group, none with a single rank (no collective runs). NVLS on H100 (about +256 MiB) is not
+    modelled."""
     if num_ranks <= 1:
         return 0
     per_group = 544 * MIB if num_ranks == 2 else 688 * MIB
     return per_group * num_process_groups
+
+
+def communicators_bytes(communicators) -> int:
+    """NCCL buffers of every communicator a rank holds, given as their rank counts (a backend's
+    `communicators`: the default process group and each group its framework creates; issue 864 of
+    NVIDIA/nccl reports about 6 GB with three or more), each at `nccl_bytes`."""
+    return sum(nccl_bytes(n) for n in communicators)
 
 
 def flash_attention_backward_bytes(batch: int, seq_len: int, num_heads: int, num_kv_heads: int,

@@ -200,6 +200,35 @@ def test_gpu_estimate_adds_runtime_terms_and_reserved_covers_allocated():
     assert any("nccl" in n.lower() for n in est.notes)
 
 
+@pytest.mark.parametrize("strategy, dp, groups", [
+    (Strategy("ddp", "ddp"), 2, [2]),  # DDP: the default process group
+    (Strategy("zero2", "deepspeed", 2), 2, [2, 2]),  # + DeepSpeed's clone of it (groups._clone_world_group)
+    (Strategy("zero3", "deepspeed", 3), 4, [4, 4]),
+    (Strategy("fsdp2", "fsdp2"), 4, [4]),  # a 1-D DeviceMesh over the world reuses the default group
+    (Strategy("fsdp2_tp", "fsdp2", tp_size=2), 2, [4, 2, 2]),  # 2-D mesh: a new group per dimension
+    (Strategy("fsdp2_tp", "fsdp2", tp_size=2), 1, [2]),  # its tp dimension spans the world
+    (Strategy("cai_zero2", "colossalai", zero_stage=2), 2, [2]),  # LowLevelZero on the default group
+    (Strategy("cai_tp", "colossalai", tp_size=2), 2, [4, 2, 2]),  # ProcessGroupMesh: dp and tp groups
+    (Strategy("cai_pp", "colossalai", pp_size=4), 1, [4, 2, 2]),  # a middle stage: two send/recv pairs
+], ids=["ddp", "zero2", "zero3", "fsdp2", "fsdp2_tp", "fsdp2_tp_dp1", "cai_zero2", "cai_tp", "cai_pp"])
+def test_device_total_counts_the_nccl_communicators_each_framework_creates(strategy, dp, groups):
+    """NCCL buffers live outside the allocator, once per communicator (NVIDIA/nccl issue 964: 544 MiB
+    with 2 ranks, 688 MiB with more); which communicators a rank holds follows the framework's
+    source (see each `groups` comment), not one per run."""
+    from launcher.memory.estimate import communicators_note
+    from launcher.backends.registry import backend_of
+
+    nccl = sum((544 if n == 2 else 688) * 2**20 for n in groups)
+    held = backend_of(strategy).communicators(strategy, dp)
+    assert sorted(n for n in held if n > 1) == sorted(groups)  # single-rank groups hold no buffers
+    assert communicators_note(held, nccl).startswith(f"NCCL: {len(groups)} communicator")
+    if strategy.backend in ("ddp", "deepspeed"):  # the whole estimate: NCCL adds to the device total only
+        gpu = Cluster("a100", "cuda", dp, 1, 80 * 2**30, 2**38, {}, 0.5, 1, 1, 1, 1, 80, 768 * 2**20)
+        traces = TraceSet(synthetic_trace(1, optimizer=False), synthetic_trace(2, optimizer=False), 4)
+        est = estimate(traces, strategy, WL32, gpu, registry_knobs(), dp)
+        assert est.device_total_bytes - est.peak_reserved_bytes - 768 * 2**20 == nccl
+
+
 def test_zero3_linear_stand_in_saves_what_deepspeed_s_linear_saves():
     """The traced F.linear under ZeRO-3 (trace.py `_zero3_linear`) keeps the same tensors for
     backward as DeepSpeed's own `zero3_linear_wrap`: for a frozen weight, the input too."""

@@ -15,7 +15,7 @@ BACKEND = Backend(
     },
     rules=rules.rules, problem=rules.problem,
     trace_request=layout.trace_request, memory=layout.memory,
-    comm=comm.comm, host_equivalent=comm.host_equivalent,
+    comm=comm.comm, host_equivalent=comm.host_equivalent, communicators=comm.communicators,
     emit_file="colossalai_plugin.json",
     emit=lambda x: emit.plugin_config(x.strategy, x.training, x.knobs["colossalai"], x.knobs["ddp"], x.device,
                                       x.grad_accum_steps, x.vocab_size),

@@ -86,3 +86,21 @@ def host_equivalent(x: CommInput):
     idle = (m + pp - 1) / m
     tp_s = tp_comm_s(strategy, workload, x.cluster, x.spec, x.accum, 4 if workload.precision == "32-true" else 2)
     return HostEquivalent(style, extra_comm_s=tp_s * idle, stage_share=1 / pp, idle_factor=idle)
+
+
+def communicators(strategy: Strategy, dp: int) -> tuple[int, ...]:
+    """NCCL communicators of one rank (Backend.communicators). TorchDDPPlugin, LowLevelZeroPlugin
+    and GeminiPlugin run on the default process group when there is no extra data-parallel or
+    tensor axis (low_level_zero_plugin.py `_get_default_group()`, gemini_plugin.py: the zero group
+    is the default one when it spans the world). HybridParallelPlugin (cai_tp, cai_pp) builds a
+    ProcessGroupMesh whose `get_group_along_axis` creates a `dist.new_group` per axis
+    (colossalai/cluster/process_group_mesh.py): its data-parallel and tensor-parallel groups, besides
+    the default group of the worker's per-step collectives; pipeline stages send activations to
+    their neighbours, which NCCL runs on a 2-rank communicator per pair of ranks (torch
+    ProcessGroupNCCL's point-to-point communicators): two for a middle stage (the worst rank),
+    one with two stages. Assumption: the pipeline group itself carries no collective."""
+    if strategy.tp_size == 1 and strategy.pp_size == 1:
+        return (dp,)
+    world = dp * strategy.tp_size * strategy.pp_size
+    pairs = min(2, strategy.pp_size - 1)
+    return (world, dp, strategy.tp_size, *([2] * pairs))

@@ -16,7 +16,7 @@ BACKEND = Backend(
     },
     rules=rules.rules, problem=rules.problem,
     trace_request=memory.trace_request, memory=memory.memory,
-    comm=comm.comm, host_equivalent=comm.host_equivalent,
+    comm=comm.comm, host_equivalent=comm.host_equivalent, communicators=comm.communicators,
     emit_file="ds_config.json",
     emit=lambda x: emit.deepspeed_config(x.strategy, x.training, x.knobs["deepspeed"], x.micro_batch_size,
                                          x.grad_accum_steps, x.dp_size),

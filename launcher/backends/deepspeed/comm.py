@@ -52,3 +52,12 @@ def host_style(stage: int, ds) -> HostStyle:
 
 def host_equivalent(x: CommInput) -> HostEquivalent:
     return HostEquivalent(host_style(x.strategy.zero_stage, x.knobs["deepspeed"]))
+
+
+def communicators(strategy: Strategy, dp: int) -> tuple[int, ...]:
+    """NCCL communicators of one rank (Backend.communicators): the default process group (the
+    worker's per-step collectives, DeepSpeed's barriers) and its clone that every ZeRO collective
+    runs on, deepspeed/utils/groups.py `_clone_world_group` (a `dist.new_group` over the world, kept
+    because DeepSpeed calls `dist.get_global_rank` on its groups), the data-parallel group engine.py
+    takes from `groups._get_data_parallel_group()`."""
+    return (dp, dp)

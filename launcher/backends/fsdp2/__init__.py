@@ -7,7 +7,7 @@ BACKEND = Backend(
     strategies=rules.STRATEGIES,
     rules=rules.rules, problem=rules.problem,
     trace_request=layout.trace_request, memory=layout.memory,
-    comm=comm.comm, host_equivalent=comm.host_equivalent,
+    comm=comm.comm, host_equivalent=comm.host_equivalent, communicators=comm.communicators,
     emit_file=emit.PLAN_FILE, emit=emit.emit,
     worker="launcher.backends.fsdp2.worker:FSDP2Backend",
     check_worker_config="launcher.backends.fsdp2.worker:check_config",

@@ -104,3 +104,13 @@ def host_equivalent(x: CommInput) -> HostEquivalent:
         ring = (x.dp - 1) / x.dp
         extra += _call_s(calls, gathered, ring, bus_gbps(x.cluster, "all_gather", cb, gathered / calls), x.cluster)
     return HostEquivalent(torch_ddp(), extra_comm_s=extra)
+
+
+def communicators(strategy: Strategy, dp: int) -> tuple[int, ...]:
+    """NCCL communicators of one rank (Backend.communicators): the default process group, which a
+    DeviceMesh dimension over every rank reuses (torch/distributed/device_mesh.py
+    `_init_one_process_group`: a dimension spanning the world takes the default group), and, for
+    the 2-D ("dp", "tp") mesh (worker.py `init_device_mesh`), a new group per dimension over fewer
+    ranks than the world."""
+    world = dp * strategy.tp_size
+    return (world, *(n for n in (dp, strategy.tp_size) if 1 < n < world))
