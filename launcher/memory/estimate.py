@@ -195,7 +195,7 @@ def communicators_note(communicators, nccl: int) -> str:
     """The NCCL communicators a rank holds (the backend's `communicators`), for the notes."""
     groups = [n for n in communicators if n > 1]
     return (f"NCCL: {len(groups)} communicator{'s' if len(groups) > 1 else ''} per rank "
-            f"({', '.join(f'{n} ranks' for n in groups)}: the default process group and those the framework "
+            f"({', '.join(f'{n} ranks' for n in groups)}: the default process group, then any its framework "
             f"creates), {nccl / 2**20:.0f} MiB outside the allocator.")
 
 
