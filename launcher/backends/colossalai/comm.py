@@ -2,7 +2,7 @@
 terms each shares (`host_equivalent`)."""
 from __future__ import annotations
 
-from launcher.backends.base import CommInput, HostEquivalent
+from launcher.backends.base import CommInput, HostEquivalent, default_group
 from launcher.backends.colossalai.emit import num_microbatches, overlap
 from launcher.backends.ddp.comm import ddp_reduction_s
 from launcher.collectives import bus_bandwidth_gbps, fully_sharded_comm_s, ring_time_s, tp_comm_s
@@ -101,6 +101,5 @@ def communicators(strategy: Strategy, dp: int) -> tuple[int, ...]:
     one with two stages. Assumption: the pipeline group itself carries no collective."""
     if strategy.tp_size == 1 and strategy.pp_size == 1:
         return (dp,)
-    world = dp * strategy.tp_size * strategy.pp_size
     pairs = min(2, strategy.pp_size - 1)
-    return (world, dp, strategy.tp_size, *([2] * pairs))
+    return (default_group(strategy, dp), dp, strategy.tp_size, *([2] * pairs))

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from launcher.backends.base import CommInput, HostEquivalent
+from launcher.backends.base import CommInput, HostEquivalent, default_group
 from launcher.backends.fsdp2.rules import mixed_precision, model_dtype, reshard_after_forward
 from launcher.collectives import bus_bandwidth_gbps, ring_time_s, tp_comm_s
 from launcher.host_time import _call_s, bus_gbps, torch_ddp
@@ -112,5 +112,5 @@ def communicators(strategy: Strategy, dp: int) -> tuple[int, ...]:
     `_init_one_process_group`: a dimension spanning the world takes the default group), and, for
     the 2-D ("dp", "tp") mesh (worker.py `init_device_mesh`), a new group per dimension over fewer
     ranks than the world."""
-    world = dp * strategy.tp_size
+    world = default_group(strategy, dp)
     return (world, *(n for n in (dp, strategy.tp_size) if 1 < n < world))
