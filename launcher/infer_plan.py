@@ -110,7 +110,7 @@ def _plan(config, spec) -> dict:
         raise ConfigError(f"inference.tp_size={inf.tp_size}: {err}") from None
     cuda = hw.device == "cuda"
     outside = (runtime.cuda_context_bytes(hw.cuda_context_bytes)
-               + (runtime.nccl_bytes(inf.tp_size) if inf.tp_size > 1 else 0)) if cuda else 0
+               + runtime.nccl_bytes(inf.tp_size)) if cuda else 0
     activation = max(est["prefill_activation_bytes"], est["decode_activation_bytes"])
     total = est["peak_bytes"] + outside
     return {

@@ -36,16 +36,15 @@ def cuda_context_bytes(cuda_context: int) -> int:
     return int(cuda_context)
 
 
-def nccl_bytes(num_ranks: int, num_process_groups: int = 1) -> int:
+def nccl_bytes(num_ranks: int) -> int:
     """NCCL communicator buffers, outside the allocator. Measured per process group on 4xA100 NVLink
     (NVIDIA/nccl issue 964): 544 MiB with 2 ranks, 688 MiB with more. Assumption: the same figures
     for every GPU type and NCCL version, MiB as nvidia-smi reports, one communicator per process
-    group, none with a single rank (no collective runs). NVLS on H100 (about +256 MiB) is not
-    modelled."""
+    group (several: `communicators_bytes`), none with a single rank (no collective runs). NVLS on
+    H100 (about +256 MiB) is not modelled."""
     if num_ranks <= 1:
         return 0
-    per_group = 544 * MIB if num_ranks == 2 else 688 * MIB
-    return per_group * num_process_groups
+    return 544 * MIB if num_ranks == 2 else 688 * MIB
 
 
 def communicators_bytes(communicators) -> int:
