@@ -250,6 +250,16 @@ class TrainingConfig:
     so at most a few gradients are alive at once (torch's "How to save memory by fusing the optimizer
     step into the backward pass" tutorial; torchtune's `optimizer_in_bwd`). One unwrapped process
     (strategy=single), no gradient accumulation, no clipping, no fp16 loss scaling."""
+    zero_grad_set_to_none: bool = True
+    """`optimizer.zero_grad(set_to_none=...)` after each step. true drops the gradients, so they exist
+    from each parameter's backward to the step's end: torch's default since 2.0 (torch/optim/
+    optimizer.py `zero_grad(self, set_to_none: bool = True)`), HF Trainer's and the launcher's.
+    false zeroes them in place, so they stay allocated through the next step's forward: the default
+    of torch 1.x (`zero_grad(self, set_to_none: bool = False)`), which every loop calling
+    `optimizer.zero_grad()` or `model.zero_grad()` ran before torch 2.0; autograd then adds each new
+    gradient into the kept one and frees it (accumulate_grad.h `variable_grad += new_grad`).
+    strategy=single and ddp (their worker calls it; DDP's gradient_as_bucket_view=true keeps the
+    bucket views either way)."""
     built_on_device: bool = False
     """The whole model is built (or moved) on the GPU before the framework wraps it, as scripts that
     call `model.cuda()` before `FullyShardedDataParallel` and torchtune's first recipes

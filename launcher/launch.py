@@ -72,6 +72,7 @@ def run_spec(c: Candidate, config: LauncherConfig, spec: ModelSpec, run_dir: Pat
         seq_len=t.seq_len, micro_batch_size=c.micro_batch_size, grad_accum_steps=c.grad_accum_steps,
         max_steps=t.max_steps, learning_rate=t.learning_rate, weight_decay=t.weight_decay,
         sgd_momentum=t.sgd_momentum, max_grad_norm=t.max_grad_norm, optimizer_in_backward=t.optimizer_in_backward,
+        zero_grad_set_to_none=t.zero_grad_set_to_none,
         warmup_steps=t.warmup_steps, seed=t.seed,
         data_path=config.data.path, text_key=config.data.text_key, framework_config=framework,
         measure_memory=True, checkpoint_every=config.checkpoint.every_steps, checkpoint_keep=config.checkpoint.keep,

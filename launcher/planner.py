@@ -112,13 +112,15 @@ def workload(config: LauncherConfig, spec: ModelSpec, micro: int) -> Workload:
                     attn_implementation=effective_attention(spec, t.attn_implementation.name)[0],
                     checkpoint_policy=t.checkpoint_policy.name, kernels="liger" if t.liger_kernel else "torch",
                     causal_lm_loss=t.causal_lm_loss.name, optimizer_in_backward=t.optimizer_in_backward,
+                    zero_grad_set_to_none=t.zero_grad_set_to_none,
                     sgd_momentum=float(t.sgd_momentum), built_on_device=t.built_on_device)
 
 
 def ask(config: LauncherConfig, cluster: Cluster, env: Env, peft: str = "none") -> Ask:
     """What this run asks of a strategy's capability table."""
     return Ask(config.training.precision.name, config.training.optimizer.name, peft, cluster.device,
-               cluster.num_gpus, env.installed, config.training.optimizer_in_backward)
+               cluster.num_gpus, env.installed, config.training.optimizer_in_backward,
+               config.training.zero_grad_set_to_none)
 
 
 def unsupported(strategy: Strategy, config: LauncherConfig, cluster: Cluster, spec: ModelSpec | None = None,

@@ -38,6 +38,7 @@ class RunSpec:
     sgd_momentum: float = 0.9
     max_grad_norm: float = 1.0
     optimizer_in_backward: bool = False  # one optimizer per parameter, stepped in its gradient hook
+    zero_grad_set_to_none: bool = True  # False: the gradients are zeroed in place and kept across steps
     warmup_steps: int = 0
     seed: int = 1234
     data_path: str = "demo"

@@ -19,6 +19,7 @@ class Workload:
     kernels: str = "torch"  # torch | liger (training.liger_kernel; launcher/liger.py)
     causal_lm_loss: str = "model"  # model | fp32_shift_copy | shift_copy (training.causal_lm_loss)
     optimizer_in_backward: bool = False  # each parameter stepped in its gradient hook (training.optimizer_in_backward)
+    zero_grad_set_to_none: bool = True  # False: gradients kept (zeroed) across steps (training.zero_grad_set_to_none)
     sgd_momentum: float = 0.9  # training.sgd_momentum (with optimizer sgd; 0 = no momentum buffers)
     grad_accum_steps: int = 1  # micro-batches per optimizer step (the memory layouts; traces do not depend on it)
     built_on_device: bool = False  # training.built_on_device (a layout's initialization replay; not the trace)

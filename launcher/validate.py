@@ -105,6 +105,9 @@ def problems(c: LauncherConfig, argv: list[str] | None = None) -> list[str]:
         out.append(f"training.learning_rate={t.learning_rate}: must be positive")
     in_backward = in_backward_problem(t.max_grad_norm, t.precision.name, 1) if t.optimizer_in_backward else ""
     out += [in_backward] if in_backward else []
+    if t.optimizer_in_backward and not t.zero_grad_set_to_none:
+        out.append("training.zero_grad_set_to_none=false: training.optimizer_in_backward=true frees each gradient "
+                   "in its hook, so none is kept; set training.zero_grad_set_to_none=true")
     if c.planner.safety_margin is not None and not 0 <= c.planner.safety_margin < 1:
         out.append(f"planner.safety_margin={c.planner.safety_margin}: must be in [0, 1), e.g. 0.05")
     if c.planner.max_micro_batch_size < 1:

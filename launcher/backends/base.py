@@ -48,6 +48,7 @@ class Ask:
     num_processes: int = 2
     installed: frozenset = frozenset()  # optional packages and flags present where it runs (launcher/environment.py)
     optimizer_in_backward: bool = False  # training.optimizer_in_backward
+    zero_grad_set_to_none: bool = True  # training.zero_grad_set_to_none
 
 
 def peft_kind(peft: dict | None) -> str:
@@ -86,6 +87,7 @@ class Rules:
     estimate_only: Mapping[str, str] = field(default_factory=dict)
     single_process: bool = False  # True: exactly one process (no data-parallel wrapper)
     optimizer_in_backward: bool = False  # steps each parameter in its gradient hook (training.optimizer_in_backward)
+    kept_gradients: bool = False  # zeroes the gradients in place and keeps them (training.zero_grad_set_to_none=false)
     quant: frozenset = frozenset({"bitsandbytes"})  # quantized-base families planned under QLoRA (`quant_family`)
     min_processes: int = 1
     why: Mapping[str, str] = field(default_factory=dict)
@@ -107,6 +109,10 @@ class Rules:
         if ask.optimizer_in_backward and not self.optimizer_in_backward:
             return (f"strategy={strategy} does not run training.optimizer_in_backward=true: "
                     + self.why.get("optimizer_in_backward", "use strategy=single"))
+        if not ask.zero_grad_set_to_none and not self.kept_gradients:
+            return (f"strategy={strategy} does not run training.zero_grad_set_to_none=false: its layout "
+                    "drops the gradients after each step; kept gradients are modelled and run for "
+                    "strategy=ddp and single")
         if self.single_process and ask.num_processes != 1:
             return (f"strategy={strategy} runs one process, not {ask.num_processes}, without a data-parallel "
                     "wrapper; use strategy=ddp (or auto) for several")

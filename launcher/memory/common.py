@@ -312,7 +312,7 @@ def grad_ready_order(trace: StepTrace) -> list[int]:
     return [(int(p), int(e)) for e, p in pairs]
 
 
-def accumulated_gradients(layout: Layout) -> None:
+def accumulated_gradients(layout: Layout, kept: bool = False) -> None:
     """Gradient accumulation, where the framework leaves it to autograd: the step laid out is the
     last micro-batch's. Each parameter's gradient summed over the micro-batches before it is alive
     from the step's start; this micro-batch's gradient is added into it in place and dropped
@@ -321,13 +321,18 @@ def accumulated_gradients(layout: Layout) -> None:
     gradient is ready, and the accumulated one lives until the traced one would have been freed (a
     DDP bucket view's copy at ready, else the optimizer's zero_grad). Under DDP's `no_sync` the
     micro-batches before the last leave their gradients outside the buckets (reducer.cpp copies a
-    gradient into its bucket view only in a synchronized backward)."""
+    gradient into its bucket view only in a synchronized backward).
+
+    `kept`: the gradients were zeroed in place rather than dropped at the last step's end
+    (`zero_grad(set_to_none=False)`, training.zero_grad_set_to_none), so each one exists for the
+    whole step, the same in-place addition frees the traced one at ready, and the next `zero_grad`
+    keeps it (torch/optim/optimizer.py `zero_grad`: `p.grad.zero_()`, or `torch._foreach_zero_`)."""
     t = layout.trace
     rows = np.nonzero(layout.rows(Kind.GRAD) & (t.ready >= 0))[0]
     ready = layout.ev(t.ready[rows])
     for row, at in zip(rows.tolist(), ready.tolist()):
-        layout.add("accumulated_gradient", "gradients", int(t.nbytes[row]), 0, int(layout.free[row]),
-                   param=int(t.param[row]))
+        layout.add("kept_gradient" if kept else "accumulated_gradient", "gradients", int(t.nbytes[row]), 0,
+                   None if kept else int(layout.free[row]), param=int(t.param[row]))
         layout.free[row] = min(int(layout.free[row]), at)
 
 

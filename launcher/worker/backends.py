@@ -45,7 +45,7 @@ def check_backend(spec, world_size: int) -> None:
     strategy = registry.STRATEGIES.get(name) if name in backend.strategies else Strategy(str(name), spec.backend)
     in_backward = getattr(spec, "optimizer_in_backward", False)
     ask = Ask(spec.precision, spec.optimizer, peft_kind(getattr(spec, "peft", None)), getattr(spec, "device", "cpu"),
-              world_size, detect().installed, in_backward)
+              world_size, detect().installed, in_backward, getattr(spec, "zero_grad_set_to_none", True))
     problem = backend.run_refusal(strategy, ask) or (in_backward and in_backward_problem(
         spec.max_grad_norm, spec.precision, spec.grad_accum_steps))
     if problem:

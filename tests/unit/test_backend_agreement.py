@@ -58,15 +58,16 @@ def optimizer_problems() -> dict:
 def test_planner_accepts_only_what_the_worker_runs(optimizer_problems):
     env = detect()
     checked, estimate_only, disagreements = 0, 0, []
-    for strategy, precision, optimizer, peft, device, gpus, in_backward in itertools.product(
-            _strategies(), PRECISIONS, OPTIMIZERS, PEFT, DEVICES, (1, 2), (False, True)):
-        if in_backward and in_backward_problem(0.0, precision, 1):
+    for strategy, precision, optimizer, peft, device, gpus, in_backward, set_to_none in itertools.product(
+            _strategies(), PRECISIONS, OPTIMIZERS, PEFT, DEVICES, (1, 2), (False, True), (True, False)):
+        if in_backward and (in_backward_problem(0.0, precision, 1) or not set_to_none):
             continue  # refused with the config, before any planning (launcher/validate.py)
         config = LauncherConfig()
         config.gpus = gpus
         config.training.precision = Precision[precision]
         config.training.optimizer = Optimizer[optimizer]
         config.training.optimizer_in_backward = in_backward
+        config.training.zero_grad_set_to_none = set_to_none
         config.training.max_grad_norm = 0.0 if in_backward else 1.0
         cluster = _cluster(device, gpus)
         if unsupported(strategy, config, cluster, None, env, peft=peft):
@@ -78,7 +79,7 @@ def test_planner_accepts_only_what_the_worker_runs(optimizer_problems):
                                         dp_size=gpus // (strategy.tp_size * strategy.pp_size) or 1, device=device)
             spec = RunSpec(run_dir=".", backend=strategy.backend, strategy=strategy.name, model_name="m", hf_config={},
                            device=device, precision=precision, optimizer=optimizer, framework_config=framework,
-                           peft=PEFT[peft], optimizer_in_backward=in_backward,
+                           peft=PEFT[peft], optimizer_in_backward=in_backward, zero_grad_set_to_none=set_to_none,
                            max_grad_norm=config.training.max_grad_norm)
             if registry.backend_of(strategy).rules(strategy).estimate_only.get(peft):
                 # planned as an estimate only: the planner never launches it (planner.launch_problem)
@@ -93,7 +94,7 @@ def test_planner_accepts_only_what_the_worker_runs(optimizer_problems):
                 raise ConfigError(optimizer_problems[optimizer])
         except ConfigError as err:
             disagreements.append(f"{strategy.name} {precision} {optimizer} {peft} {device} gpus={gpus} "
-                                 f"in_backward={in_backward}: {err}")
+                                 f"in_backward={in_backward} set_to_none={set_to_none}: {err}")
     assert checked > 500 and estimate_only > 0  # the walk reached the surface
     assert not disagreements, "\n".join(disagreements[:20])
 
@@ -108,6 +109,22 @@ def test_the_worker_refuses_what_the_planner_refuses_for_precision():
     assert "16-true" in why and "GradScaler" in why
     spec = RunSpec(run_dir=".", backend="ddp", strategy="ddp", model_name="m", hf_config={}, precision="16-true")
     with pytest.raises(ConfigError, match="16-true"):
+        check_backend(spec, 2)
+
+
+def test_the_worker_refuses_kept_gradients_where_the_planner_does():
+    """training.zero_grad_set_to_none=false is laid out and run by strategy=ddp and single only: the
+    planner refuses it for the others, and so does their worker, rather than run set_to_none=True."""
+    config, cluster = LauncherConfig(), _cluster("cpu", 2)
+    config.gpus = 2
+    config.training.zero_grad_set_to_none = False
+    assert not unsupported(registry.strategy("ddp"), config, cluster, None, detect())
+    fsdp2 = registry.strategy("fsdp2")
+    why = unsupported(fsdp2, config, cluster, None, detect())
+    assert "zero_grad_set_to_none=false" in why and "strategy=ddp and single" in why
+    spec = RunSpec(run_dir=".", backend="fsdp2", strategy="fsdp2", model_name="m", hf_config={},
+                   precision="bf16-mixed", zero_grad_set_to_none=False)
+    with pytest.raises(ConfigError, match="zero_grad_set_to_none=false"):
         check_backend(spec, 2)
 
 

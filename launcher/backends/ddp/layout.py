@@ -52,13 +52,18 @@ def bucket_bytes(trace: StepTrace, bucket_cap_mb: float) -> list[int]:
 
 
 def ddp_layout(trace: StepTrace, ddp: DDPConfig, dp_size: int, optimizer: str = "",
-               wrapped: bool = True, grad_accum_steps: int = 1) -> Layout:
+               wrapped: bool = True, grad_accum_steps: int = 1, set_to_none: bool = True) -> Layout:
     """The traced step as DDP runs it on every rank (all ranks are identical); `wrapped=False`:
     the step exactly as traced, one process and no DDP (strategy `single`: no buckets, autograd's
     gradients are the gradients, as HF Trainer and torchtune run on one GPU). bitsandbytes 8-bit
     optimizers are not traced (their kernels cannot run on fake tensors): their states
     (`modelled_state_bytes`, one per trainable parameter) live for the whole step and their
-    in-place update adds no temporary (common.py `optimizer_step_temp_numel`)."""
+    in-place update adds no temporary (common.py `optimizer_step_temp_numel`).
+
+    `set_to_none=False` (`zero_grad(set_to_none=False)`): each gradient is kept for the whole step
+    (common.py `accumulated_gradients(kept=True)`), unless it is a bucket view: with
+    gradient_as_bucket_view the zeroed view stays `param.grad` and autograd adds into it in place
+    (`no_sync` micro-batches too), so the buckets hold every gradient and nothing is added."""
     p = trace.params
     untraced = TRACE_OPTIMIZER.get(optimizer) == "none"  # the tracer did not step it (bitsandbytes')
     layout = Layout.of(trace, step_events=1 if untraced else 0)
@@ -75,7 +80,9 @@ def ddp_layout(trace: StepTrace, ddp: DDPConfig, dp_size: int, optimizer: str = 
         else:
             for j, nbytes in enumerate(buckets):
                 layout.add(f"ddp_bucket_{j}", "buffers", nbytes)
-    if grad_accum_steps > 1:  # the worker runs the micro-batches before the last under no_sync
+    if not set_to_none and not (wrapped and ddp.gradient_as_bucket_view):
+        accumulated_gradients(layout, kept=True)
+    elif grad_accum_steps > 1 and set_to_none:  # the worker runs the micro-batches before the last under no_sync
         accumulated_gradients(layout)
     return layout
 
@@ -101,6 +108,14 @@ DDP_NOTES = (
 IN_BACKWARD_NOTES = (
     "training.optimizer_in_backward: one optimizer per parameter, stepped in its post-accumulate-grad "
     "hook and its gradient freed there (traced for real); the optimizer states still live for the whole step.",
+)
+
+
+KEPT_GRADIENT_NOTES = (
+    "training.zero_grad_set_to_none=false: zero_grad zeroes the gradients in place (torch 1.x's "
+    "default), so they stay allocated through the next step's forward; autograd adds each new "
+    "gradient into the kept one and frees it (bucket views under gradient_as_bucket_view=true are "
+    "the kept gradients).",
 )
 
 
@@ -185,10 +200,13 @@ def memory(traces, strategy, workload, knobs, dp: int, device: str) -> LayoutSet
     constructor's state broadcast is the `setup` phase (`construction_peak`; buffers are synced
     too under `forward_sync_buffers`, emit.py)."""
     wrapped = strategy.name != "single"
-    layouts = tuple(ddp_layout(t, knobs["ddp"], dp, workload.optimizer, wrapped, workload.grad_accum_steps)
+    layouts = tuple(ddp_layout(t, knobs["ddp"], dp, workload.optimizer, wrapped, workload.grad_accum_steps,
+                               workload.zero_grad_set_to_none)
                     for t in (traces.depth1, traces.depth2))
     notes = DDP_NOTES if wrapped else SINGLE_NOTES
     if workload.optimizer_in_backward:
         notes += IN_BACKWARD_NOTES
+    if not workload.zero_grad_set_to_none:
+        notes += KEPT_GRADIENT_NOTES
     extra = {"setup": construction_peak(traces, buffer_sync_kwarg() == "forward_sync_buffers")} if wrapped else {}
     return LayoutSet(groups=(((), layouts),), traces=traces, notes=notes, extra=extra)

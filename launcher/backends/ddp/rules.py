@@ -20,9 +20,9 @@ WHY = {
 QUANT = frozenset({"bitsandbytes", "torchao", "gptq"})
 DDP = Rules(precisions={"cuda": TORCH_PRECISIONS, "cpu": TORCH_PRECISIONS},
             peft=frozenset({"none", "lora", "qlora"}), peft_devices={"qlora": frozenset({"cuda", "cpu"})},
-            quant=QUANT, why=WHY)
+            quant=QUANT, kept_gradients=True, why=WHY)
 SINGLE = Rules(precisions=DDP.precisions, peft=DDP.peft, peft_devices=DDP.peft_devices, single_process=True,
-               optimizer_in_backward=True, quant=QUANT, why=WHY)
+               optimizer_in_backward=True, kept_gradients=True, quant=QUANT, why=WHY)
 
 
 def rules(strategy: Strategy) -> Rules:

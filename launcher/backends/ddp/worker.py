@@ -86,7 +86,8 @@ class DDPBackend:
                 self.scaler.update()
             else:
                 self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            # false: torch 1.x's default, the gradients zeroed in place and kept (training.zero_grad_set_to_none)
+            self.optimizer.zero_grad(set_to_none=self._spec.zero_grad_set_to_none)
             self.scheduler.step()
 
     @property
