@@ -257,9 +257,10 @@ class TrainingConfig:
     false zeroes them in place, so they stay allocated through the next step's forward: the default
     of torch 1.x (`zero_grad(self, set_to_none: bool = False)`), which every loop calling
     `optimizer.zero_grad()` or `model.zero_grad()` ran before torch 2.0; autograd then adds each new
-    gradient into the kept one and frees it (accumulate_grad.h `variable_grad += new_grad`).
-    strategy=single and ddp (their worker calls it; DDP's gradient_as_bucket_view=true keeps the
-    bucket views either way)."""
+    gradient into the kept one and frees it (accumulate_grad.h `variable_grad += new_grad`), as FSDP2
+    and FSDP1 add each reduce-scattered gradient into the kept shard. Planned and run for ddp (with
+    gradient_as_bucket_view=true the bucket views are the gradients either way), single, fsdp2,
+    fsdp2_grad_op and fsdp1; the other strategies refuse it."""
     built_on_device: bool = False
     """The whole model is built (or moved) on the GPU before the framework wraps it, as scripts that
     call `model.cuda()` before `FullyShardedDataParallel` and torchtune's first recipes

@@ -228,10 +228,12 @@ def test_gradient_accumulation_measured_peak_matches_estimate(cli, strategy, mod
 
 
 # (strategy, gpus, more overrides): DDP's gradients copied into its buckets, and one unwrapped process
-# (their gradients kept beside the activations), and DDP's bucket views with two micro-batches per
-# step (the zeroed views stay the gradients: nothing is kept outside them)
+# (their gradients kept beside the activations), DDP's bucket views with two micro-batches per step
+# (the zeroed views stay the gradients: nothing is kept outside them), FSDP2's and FSDP1's sharded
+# gradients (FSDP2 at 8 layers too, where the full-depth rebuild holds each block's)
 KEPT_GRADIENT_CELLS = [("ddp", 2, ("ddp.gradient_as_bucket_view=false",)), ("single", 1, ()),
-                       ("ddp", 2, ("training.global_batch_size=16",))]
+                       ("ddp", 2, ("training.global_batch_size=16",)), ("fsdp2", 2, ()), ("fsdp1", 2, ()),
+                       ("fsdp2", 2, DEEPER)]
 
 
 @pytest.mark.parametrize("strategy,gpus,more", KEPT_GRADIENT_CELLS)
@@ -239,12 +241,12 @@ def test_kept_gradients_measured_peak_matches_estimate(cli, strategy, gpus, more
     """`zero_grad(set_to_none=False)`, torch 1.x's default (training.zero_grad_set_to_none=false):
     the gradients are zeroed in place and stay allocated through the next step's forward, where
     tiny-llama's step peaks under its activations. Laid out with the gradients dropped, as
-    set_to_none=True runs, these read: DDP without bucket views -3.6%, single -3.8%; with kept
-    gradients added beside DDP's bucket views, +3.8%."""
+    set_to_none=True runs, these read: DDP without bucket views -3.6%, single -3.8%, FSDP2 and
+    FSDP1 -2.3%, FSDP2 at 8 layers -2.6%; with kept gradients added beside DDP's bucket views, +3.8%."""
     run_dir = _measure(cli, "model=tiny-llama", f"gpus={gpus}", f"strategy={strategy}", *more,
                        "training.precision=bf16-mixed", "training.seq_len=256", "training.micro_batch_size=4",
                        "training.zero_grad_set_to_none=false", *SMALL_BUCKETS)
-    _within_bound(run_dir, world=gpus)
+    _ranks_within_bound(run_dir, world=gpus)
 
 
 @_needs_shardformer()

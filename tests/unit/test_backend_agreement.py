@@ -113,16 +113,18 @@ def test_the_worker_refuses_what_the_planner_refuses_for_precision():
 
 
 def test_the_worker_refuses_kept_gradients_where_the_planner_does():
-    """training.zero_grad_set_to_none=false is laid out and run by strategy=ddp and single only: the
-    planner refuses it for the others, and so does their worker, rather than run set_to_none=True."""
+    """training.zero_grad_set_to_none=false is laid out and run where the capability table says so
+    (ddp, single, fsdp2, fsdp1): the planner refuses it for the others, and so does their worker,
+    rather than run set_to_none=True."""
     config, cluster = LauncherConfig(), _cluster("cpu", 2)
     config.gpus = 2
     config.training.zero_grad_set_to_none = False
-    assert not unsupported(registry.strategy("ddp"), config, cluster, None, detect())
-    fsdp2 = registry.strategy("fsdp2")
-    why = unsupported(fsdp2, config, cluster, None, detect())
-    assert "zero_grad_set_to_none=false" in why and "strategy=ddp and single" in why
-    spec = RunSpec(run_dir=".", backend="fsdp2", strategy="fsdp2", model_name="m", hf_config={},
+    for name in ("ddp", "fsdp2", "fsdp1"):
+        assert not unsupported(registry.strategy(name), config, cluster, None, detect())
+    tp = registry.strategy("fsdp2_tp")
+    why = unsupported(tp, config, cluster, None, detect())
+    assert "strategy=fsdp2_tp does not run training.zero_grad_set_to_none=false" in why
+    spec = RunSpec(run_dir=".", backend="fsdp2", strategy="fsdp2_tp", model_name="m", hf_config={},
                    precision="bf16-mixed", zero_grad_set_to_none=False)
     with pytest.raises(ConfigError, match="zero_grad_set_to_none=false"):
         check_backend(spec, 2)

@@ -84,6 +84,7 @@ class FSDP1Setup:
     optimizer: str = "adamw_torch"
     grad_accum_steps: int = 1
     built_on_device: bool = False  # training.built_on_device: the whole model on the device before wrapping
+    kept_grads: bool = False  # training.zero_grad_set_to_none=false: the sharded gradients zeroed, not dropped
 
 
 @dataclass
@@ -202,11 +203,15 @@ def _post_backward(lay: fsdp2.FSDP2Layout, trace: StepTrace, u: Unit, s: FSDP1Se
     lay.add("unsharded_flat_grad", "gradients", u.numel * cb, v0, v0 + 2)
     if rb != cb:
         lay.add("reduce_dtype_grad", "gradients", u.numel * rb, v0 + 1, v0 + 2, stream=RS_STREAM)
-    accumulated = s.grad_accum_steps > 1
+    # kept gradients (`zero_grad(set_to_none=False)`): the zeroed sharded gradient becomes
+    # `_saved_grad_shard` in the pre-backward (_flat_param.py `prepare_gradient_for_backward`), the
+    # new one is added into it (_runtime_utils.py `_accumulate_sharded_grad`) and it lives on
+    accumulated = s.grad_accum_steps > 1 or s.kept_grads
     layer = u.params[0] if accumulated and u.params else -1
     if accumulated:  # `_saved_grad_shard` from earlier micro-batches; this one's added and freed
         lay.add("reduce_scatter_output", "gradients", u.shard * rb, v0 + 1, v0 + 2, stream=RS_STREAM)
-        lay.add("sharded_grads", "gradients", u.shard * rb, 0, lay.step_ev(1), stream=RS_STREAM, param=layer)
+        lay.add("sharded_grads", "gradients", u.shard * rb, 0, None if s.kept_grads else lay.step_ev(1),
+                stream=RS_STREAM, param=layer)
     else:
         lay.add("sharded_grads", "gradients", u.shard * rb, v0 + 1, lay.step_ev(1), stream=RS_STREAM)
     rows = (trace.kind == Kind.GRAD) & (trace.param >= 0) & np.isin(trace.param, fsdp2.with_tied(trace, u.params))
@@ -249,7 +254,8 @@ def setup(strategy: Strategy, workload, dp: int, rank: int) -> FSDP1Setup:
     return FSDP1Setup(world=dp, rank=rank, reshard_after_forward=reshard_after_forward(strategy),
                       compute_bytes=s2.compute_bytes, shard_bytes=s2.shard_bytes,
                       reduce_bytes=s2.reduce_bytes or s2.compute_bytes, optimizer=s2.optimizer,
-                      grad_accum_steps=s2.grad_accum_steps, built_on_device=workload.built_on_device)
+                      grad_accum_steps=s2.grad_accum_steps, built_on_device=workload.built_on_device,
+                      kept_grads=s2.kept_grads)
 
 
 def memory(traces, strategy: Strategy, workload, knobs, dp: int, device: str) -> LayoutSet:
@@ -269,4 +275,5 @@ def memory(traces, strategy: Strategy, workload, knobs, dp: int, device: str) ->
     t = traces.depth1
     init = (fsdp2.init_note("FSDP1", workload.built_on_device, INIT_SOURCE),)
     mixed = any(0 < sum(bool(t.params.trainable[p]) for p in u.params) < len(u.params) for u in per_depth[0])
-    return LayoutSet(groups=out, traces=traces, notes=NOTES + init + (MIXED_UNIT_NOTE,) * mixed)
+    kept = (fsdp2.KEPT_GRADS_NOTE,) * (not workload.zero_grad_set_to_none)
+    return LayoutSet(groups=out, traces=traces, notes=NOTES + init + (MIXED_UNIT_NOTE,) * mixed + kept)

@@ -36,7 +36,7 @@ WHY = {
     "qlora": "QLoRA's sharded 4-bit base is planned under strategy=fsdp2; use strategy=fsdp2",
 }
 FSDP1 = Rules(precisions={"cuda": PRECISIONS, "cpu": PRECISIONS}, optimizers=OPTIMIZERS,
-              peft=frozenset({"none", "lora"}), why=WHY)
+              peft=frozenset({"none", "lora"}), kept_gradients=True, why=WHY)
 
 
 def rules(strategy: Strategy) -> Rules:

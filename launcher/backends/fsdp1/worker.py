@@ -125,7 +125,7 @@ class FSDP1Backend:
             if self._spec.max_grad_norm > 0:
                 self.model.clip_grad_norm_(self._spec.max_grad_norm)  # FSDP1's norm over every shard
             self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=self._spec.zero_grad_set_to_none)  # false: kept (torch 1.x)
             self.scheduler.step()
 
     # sharded checkpoints as the FSDP2 worker writes and reads them: `torch.distributed.checkpoint`

@@ -87,6 +87,7 @@ class FSDP2Setup:
     offload: bool = False  # CPUOffloadPolicy: shards, sharded gradients and the step on the host
     frozen_bytes: int = 0  # bytes per element of frozen parameters' shards; 0: shard_bytes (sharded QLoRA: compute)
     grad_accum_steps: int = 1  # micro-batches per step, each reduce-scattered (the worker never skips the sync)
+    kept_grads: bool = False  # training.zero_grad_set_to_none=false: the sharded gradients zeroed, not dropped
     built_on_device: bool = False  # training.built_on_device: the whole model on the device before fully_shard
     replay_init: bool = True  # the initialization is replayed (`Layout.init`): not with offload or TP
 
@@ -398,16 +399,18 @@ def _reduce_terms(lay: FSDP2Layout, trace: StepTrace, g: Group, s: FSDP2Setup, u
     # with gradient accumulation the step laid out is the last micro-batch's: the sharded gradients of
     # the ones before it are alive from its start, and this one's output is added into them and
     # dropped (`fsdp_param.sharded_param.grad._local_tensor += new_sharded_grad`)
-    # (`param`: the group's layer, so the full-depth rebuild holds one per layer)
-    accumulated = s.grad_accum_steps > 1
+    # (`param`: the group's layer, so the full-depth rebuild holds one per layer); kept gradients
+    # (`zero_grad(set_to_none=False)`) are added into the same way and live through the whole step
+    accumulated = s.grad_accum_steps > 1 or s.kept_grads
     layer = g.params[0] if accumulated and g.params else -1
+    end = None if s.kept_grads else lay.step_ev(1)
     if s.offload:  # the device output is copied to the host and dropped (`new_sharded_grad.to("cpu")`)
         lay.add("reduce_scatter_output", "gradients", g.reduce_bytes, u1, u2, stream=RS_STREAM)
-        lay.add("sharded_grads", "gradients", g.reduce_bytes, 0 if accumulated else u1, lay.step_ev(1), host=True,
+        lay.add("sharded_grads", "gradients", g.reduce_bytes, 0 if accumulated else u1, end, host=True,
                 param=layer)
     elif accumulated:
         lay.add("reduce_scatter_output", "gradients", g.reduce_bytes, u1, u2, stream=RS_STREAM)
-        lay.add("sharded_grads", "gradients", g.reduce_bytes, 0, lay.step_ev(1), stream=RS_STREAM, param=layer)
+        lay.add("sharded_grads", "gradients", g.reduce_bytes, 0, end, stream=RS_STREAM, param=layer)
     else:
         lay.add("sharded_grads", "gradients", g.reduce_bytes, u1, lay.step_ev(1), stream=RS_STREAM)
     g_rows = (trace.kind == Kind.GRAD) & (trace.param >= 0)
@@ -433,6 +436,12 @@ NOTES = (
     "Block boundaries: the traced layer range divided into equal parts (a repeated block "
     "allocates the same storages).",
 )
+
+
+KEPT_GRADS_NOTE = (
+    "training.zero_grad_set_to_none=false: zero_grad zeroes the sharded gradients in place (torch 1.x's default), "
+    "so they live through the whole step; each reduce-scatter output is added into them and freed (FSDP2 "
+    "`foreach_reduce`: `sharded_param.grad._local_tensor += new_sharded_grad`; FSDP1 `_saved_grad_shard`).")
 
 
 def init_note(framework: str, built_on_device: bool, source: str) -> str:
@@ -484,6 +493,7 @@ def setup(strategy: Strategy, workload, dp: int, rank: int, frozen_bytes: int = 
                       cast=compute != shard,
                       optimizer=workload.state_optimizer, offload=strategy.offload_params,
                       frozen_bytes=frozen_bytes, grad_accum_steps=workload.grad_accum_steps,
+                      kept_grads=not workload.zero_grad_set_to_none,
                       built_on_device=workload.built_on_device,
                       replay_init=not strategy.offload_params and strategy.tp_size == 1)
 
@@ -504,4 +514,5 @@ def memory(traces, strategy: Strategy, workload, knobs, dp: int, device: str) ->
                 for ranks in keyed.values())
     replayed = out[0][1][0].init is not None
     init = (init_note("FSDP2", workload.built_on_device, INIT_SOURCE),) if replayed else ()
-    return LayoutSet(groups=out, traces=traces, notes=NOTES + init + (QLORA_NOTE,) * bool(four_bit))
+    kept = (KEPT_GRADS_NOTE,) * (not workload.zero_grad_set_to_none)
+    return LayoutSet(groups=out, traces=traces, notes=NOTES + init + (QLORA_NOTE,) * bool(four_bit) + kept)

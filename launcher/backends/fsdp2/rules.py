@@ -42,7 +42,8 @@ WHY = {
     "cpu": "CPUOffloadPolicy moves shards and the optimizer step to the host; on CPU processes that is the same memory",
 }
 FSDP2 = Rules(precisions={"cuda": PRECISIONS, "cpu": PRECISIONS}, optimizers=OPTIMIZERS,
-              peft=frozenset({"none", "lora", "qlora"}), peft_devices={"qlora": frozenset({"cuda", "cpu"})}, why=WHY)
+              peft=frozenset({"none", "lora", "qlora"}), peft_devices={"qlora": frozenset({"cuda", "cpu"})},
+              kept_gradients=True, why=WHY)
 # QLoRA with CPUOffloadPolicy: the sharded 4-bit base (bnb_4bit_quant_storage) on the host, gathered
 # per block as the GPU plan models it; the worker's GPU path is not exercised here (no GPU to check it on)
 OFFLOAD = Rules(precisions={"cuda": PRECISIONS}, optimizers=OPTIMIZERS, peft=frozenset({"none", "lora"}),

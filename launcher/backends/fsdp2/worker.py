@@ -193,7 +193,7 @@ class FSDP2Backend:
             if self._spec.max_grad_norm > 0:
                 clip_grad_norm(self.model.parameters(), self._spec.max_grad_norm)
             self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=self._spec.zero_grad_set_to_none)  # false: kept (torch 1.x)
             self.scheduler.step()
 
     @property
