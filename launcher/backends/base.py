@@ -111,8 +111,7 @@ class Rules:
                     + self.why.get("optimizer_in_backward", "use strategy=single"))
         if not ask.zero_grad_set_to_none and not self.kept_gradients:
             return (f"strategy={strategy} does not run training.zero_grad_set_to_none=false: its layout and worker "
-                    "drop the gradients after each step; set training.zero_grad_set_to_none=true, or a "
-                    "strategy whose gradients are kept")
+                    "drop the gradients after each step; plan it with training.zero_grad_set_to_none=true")
         if self.single_process and ask.num_processes != 1:
             return (f"strategy={strategy} runs one process, not {ask.num_processes}, without a data-parallel "
                     "wrapper; use strategy=ddp (or auto) for several")

@@ -103,6 +103,9 @@ def test_planner_config_and_worker_refuse_the_same_runs():
         compose(base)
     with pytest.raises(ConfigError, match="16-mixed.*optimizer_in_backward"):
         compose([*base, "training.max_grad_norm=0", "training.precision=16-mixed"])
+    # a gradient freed in its hook cannot also be kept by zero_grad(set_to_none=False)
+    with pytest.raises(ConfigError, match="zero_grad_set_to_none=false.*frees each gradient"):
+        compose([*base, "training.max_grad_norm=0", "training.zero_grad_set_to_none=false"])
     config = compose([*base, "training.max_grad_norm=0"])
 
     # a data-parallel wrapper reduces gradients after their hooks: refused by planner and worker alike
