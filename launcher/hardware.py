@@ -80,4 +80,5 @@ def cluster_from(hw: HardwareConfig, num_gpus: int, num_nodes: int, cuda_alloc_c
         collective_gbps={k: {float(mib): float(g) for mib, g in v.items()} for k, v in (hw.collective_gbps or {}).items()},
         attention_tflops={k: float(v) for k, v in (hw.attention_tflops or {}).items()},
         expandable_segments=hw.device == "cuda" and expandable_segments(cuda_alloc_conf),
+        nvls=bool(hw.nvls), nccl_version=str(hw.nccl_version),
     )

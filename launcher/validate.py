@@ -13,6 +13,7 @@ from launcher.backends.registry import STRATEGIES, backend_of
 from launcher.config import LauncherConfig
 from launcher.data_path import data_path_problem
 from launcher.errors import ConfigError, collect
+from launcher.memory import runtime
 from launcher.slurm import launch_problems
 
 
@@ -66,6 +67,10 @@ def run_problems(c: LauncherConfig) -> list[str]:
         out.append(f"hardware.matmul_efficiency={hw.matmul_efficiency}: must be at most 1 (a fraction of peak)")
     out += [f"hardware.peak_tflops.{k}={v}: must be a positive number" for k, v in hw.peak_tflops.items()
             if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v))]
+    try:
+        runtime.nccl_version(hw.nccl_version)
+    except ValueError as err:
+        out.append(f"hardware.nccl_version={hw.nccl_version}: {err}")
     out += launch_problems(c)
     return out
 

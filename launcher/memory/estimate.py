@@ -95,6 +95,10 @@ def estimate(traces: TraceSet, strategy: Strategy, workload: Workload, cluster: 
     nccl = runtime.communicators_bytes(communicators)
     if cluster.device == "cuda" and nccl:
         notes += (communicators_note(communicators, nccl),)
+    nvls = nvls_bytes(communicators, cluster)
+    if nvls:
+        nccl += nvls
+        notes += (NVLS_NOTE.format(mib=nvls / 2**20, version=cluster.nccl_version),)
     if len(ls.groups) == 1 and not ls.groups[0][0]:
         return _estimate(traces, list(ls.groups[0][1]), notes, gathered, extra, cluster, nccl,
                          replay_memo=replay_memo, varlen=_varlen(varlen, short, 0, workload))
@@ -191,6 +195,20 @@ def _estimate(traces: TraceSet, layouts: list, notes, gathered, extra: dict, clu
                           needed_bytes=needed + outside)
 
 
+def nvls_bytes(communicators, cluster: Cluster) -> int:
+    """NVLS multicast buffers of every communicator a rank holds (runtime.py `nvls_bytes`) on a
+    GPU system with NVLink SHARP: a communicator of n ranks spans min(n, GPUs per node) GPUs of
+    each of its nodes."""
+    if cluster.device != "cuda" or not cluster.nvls:
+        return 0
+    version, per_node = runtime.nccl_version(cluster.nccl_version), cluster.gpus_per_node
+    out = 0
+    for n in communicators:
+        local = min(n, per_node)
+        out += runtime.nvls_bytes(local, version, -(-n // local))
+    return out
+
+
 def communicators_note(communicators, nccl: int) -> str:
     """The NCCL communicators a rank holds (the backend's `communicators`), for the notes."""
     groups = [n for n in communicators if n > 1]
@@ -214,6 +232,9 @@ VARLEN_MISMATCH_NOTE = ("variable-length batches (training.length_profile={profi
                         "at the peak length only.")
 FLASH_NOTE = ("GPU flash attention backward: its fp32 dq accumulator and, with grouped-query attention, "
               "K/V gradients expanded to every head (flash_api.cpp mha_bwd) are added to the backward peak.")
+NVLS_NOTE = ("NCCL {version} with NVLink SHARP (hardware.nvls): {mib:.0f} MiB of multicast buffers per rank "
+             "over its communicators of more than 2 GPUs of a node, outside the allocator (nccl "
+             "src/transport/nvls.cc; launcher/memory/runtime.py nvls_bytes).")
 OVER_NOTE = ("peak allocated + CUDA context + NCCL alone exceed the GPU: the allocator cache in reserved "
              "comes from a replay at the traced depth, not the real one.")
 EXPANDABLE_NOTE = ("PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True here and the job inherits it: "

@@ -40,6 +40,8 @@ BAD = [
     (["model=tiny-llama", "gpus=3", "strategy=fsdp2_tp", "training.seq_len=64"],
      "strategy=fsdp2_tp: no tensor-parallel size fits 3 GPU(s) per node", "tp sizes valid for this model: [2]"),
     (["model=tiny-llama", "hydra.run.dir=/dev/null/run"], "hydra.run.dir=/dev/null/run", "is a file"),
+    (["model=tiny-llama", "hardware=h100-80g", "hardware.nccl_version=2.20"], "hardware.nccl_version=2.2", "2.20.5"),
+    (["model=tiny-llama", "hardware.nccl_version=two"], "hardware.nccl_version=two", "2.27.5"),
     (["model=tiny-llama", "gpus=2", "strategy=fsdp1", "peft=qlora", "training.seq_len=64"],
      "strategy=fsdp1 does not run peft=qlora", "use strategy=fsdp2"),
 ]

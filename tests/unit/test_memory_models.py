@@ -229,6 +229,44 @@ def test_device_total_counts_the_nccl_communicators_each_framework_creates(strat
         assert est.device_total_bytes - est.peak_reserved_bytes - 768 * 2**20 == nccl
 
 
+def test_nvls_buffers_match_what_nccl_logged():
+    """NVLS multicast buffers (runtime.py `nvls_bytes`) against NCCL's own logs: NCCL 2.19.3 on 4 x
+    H100 bound 1073741824 bytes (NVIDIA/nccl-tests issue 216, 'NVLS Bind mem ... size 1073741824');
+    recent releases log about 256 MiB on 8 x H100 (GPU memory notes); NVLS is only set up for
+    more than 2 GPUs (vllm-project/vllm issue 9699: 'only enabled for n > 2 GPUs'); releases before
+    2.17 have none."""
+    from launcher.memory.runtime import nvls_bytes
+
+    assert nvls_bytes(4, (2, 19)) == 1073741824
+    assert 256 * 2**20 <= nvls_bytes(8, (2, 27)) <= 260 * 2**20
+    assert nvls_bytes(2, (2, 19)) == nvls_bytes(2, (2, 27)) == nvls_bytes(8, (2, 16)) == 0
+    # older releases hold more: the 4 MiB NCCL_BUFFSIZE per channel and head, 1 MiB chunks from 2.21
+    assert nvls_bytes(8, (2, 19)) > nvls_bytes(8, (2, 21)) > nvls_bytes(8, (2, 23)) > nvls_bytes(8, (2, 27))
+
+
+@pytest.mark.parametrize("nvls, version", [(False, "2.19.3"), (True, "2.19.3"), (True, "2.27.5")],
+                         ids=["no-nvls", "2.19", "2.27"])
+def test_device_total_adds_nvls_buffers_per_communicator_on_nvswitch_gpus(nvls, version):
+    """On a node with NVLink SHARP each communicator of more than 2 GPUs holds its NVLS buffers
+    outside the allocator: ZeRO-3 on 8 GPUs holds two communicators (the default group and
+    DeepSpeed's clone), each with 8 GPUs on the node. Reserved does not change; the device total
+    and what the step needs do."""
+    base = Cluster("h100", "cuda", 8, 1, 80 * 2**30, 2**38, {}, 0.5, 1, 1, 1, 1, 90, 2**30)
+    gpu = Cluster("h100", "cuda", 8, 1, 80 * 2**30, 2**38, {}, 0.5, 1, 1, 1, 1, 90, 2**30, nvls=nvls,
+                  nccl_version=version)
+    from launcher.memory.runtime import nccl_version, nvls_bytes
+
+    extra_mib = 2 * nvls_bytes(8, nccl_version(version)) / 2**20 if nvls else 0
+    traces = TraceSet(synthetic_trace(1, optimizer=False), synthetic_trace(2, optimizer=False), 4)
+    strategy = Strategy("zero3", "deepspeed", 3)
+    without = estimate(traces, strategy, WL32, base, registry_knobs(), 8)
+    est = estimate(traces, strategy, WL32, gpu, registry_knobs(), 8)
+    assert est.peak_reserved_bytes == without.peak_reserved_bytes
+    assert est.device_total_bytes - without.device_total_bytes == extra_mib * 2**20
+    assert est.needed_bytes - without.needed_bytes == extra_mib * 2**20
+    assert any("NVLink SHARP" in n for n in est.notes) == bool(extra_mib)
+
+
 def test_zero3_linear_stand_in_saves_what_deepspeed_s_linear_saves():
     """The traced F.linear under ZeRO-3 (trace.py `_zero3_linear`) keeps the same tensors for
     backward as DeepSpeed's own `zero3_linear_wrap`: for a frozen weight, the input too."""
