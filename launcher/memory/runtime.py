@@ -40,8 +40,8 @@ def nccl_bytes(num_ranks: int) -> int:
     """NCCL communicator buffers, outside the allocator. Measured per process group on 4xA100 NVLink
     (NVIDIA/nccl issue 964): 544 MiB with 2 ranks, 688 MiB with more. Assumption: the same figures
     for every GPU type and NCCL version, MiB as nvidia-smi reports, one communicator per process
-    group (several: `communicators_bytes`), none with a single rank (no collective runs). NVLS on
-    H100 (about +256 MiB) is not modelled."""
+    group (several: `communicators_bytes`), none with a single rank (no collective runs). NVLS
+    buffers on NVSwitch nodes come on top (`nvls_bytes`)."""
     if num_ranks <= 1:
         return 0
     return 544 * MIB if num_ranks == 2 else 688 * MIB
