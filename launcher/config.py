@@ -158,11 +158,12 @@ class HardwareConfig:
     """NVLink SHARP: the GPUs of a node share an NVSwitch that reduces in the fabric (H100/H200 SXM
     in HGX/DGX systems). NCCL then backs multicast buffers with device memory for each communicator
     of more than two GPUs of a node (launcher/memory/runtime.py `nvls_bytes`)."""
-    nccl_version: str = "2.27"
-    """The NCCL of the job's torch (`torch.cuda.nccl.version()`), as 'major.minor[.patch]'. Only
+    nccl_version: Optional[str] = None
+    """The NCCL of the job's torch (`torch.cuda.nccl.version()`), as 'major.minor.patch'. Only
     the NVLS buffers depend on it: 1.5 GiB per communicator of 8 GPUs up to 2.20, 256 MiB from
-    2.22 (`nvls_bytes`). Default: the 2.27 series of recent torch wheels (nvidia-nccl-cu12
-    2.27.x, an assumption for the wheel you install)."""
+    2.26 (`nvls_bytes`). null = the nvidia-nccl-cu12/cu13 package installed here, which torch's
+    CUDA wheels depend on and the job (started from this environment) loads; without one, 2.27
+    (the series of recent torch wheels, an assumption)."""
     op_overhead_s: float = 5.0e-6
     """Host time to dispatch one tensor op (Python, dispatcher, allocation, kernel launch), s.
     CPU: measured by mode=calibrate (a chain of tiny ops); it adds to compute time. GPU: launches

@@ -80,5 +80,21 @@ def cluster_from(hw: HardwareConfig, num_gpus: int, num_nodes: int, cuda_alloc_c
         collective_gbps={k: {float(mib): float(g) for mib, g in v.items()} for k, v in (hw.collective_gbps or {}).items()},
         attention_tflops={k: float(v) for k, v in (hw.attention_tflops or {}).items()},
         expandable_segments=hw.device == "cuda" and expandable_segments(cuda_alloc_conf),
-        nvls=bool(hw.nvls), nccl_version=str(hw.nccl_version),
+        nvls=bool(hw.nvls), nccl_version=str(hw.nccl_version) if hw.nccl_version else installed_nccl_version(),
     )
+
+
+DEFAULT_NCCL_VERSION = "2.27"  # assumption: the series recent torch CUDA wheels pin (nvidia-nccl-cu12 2.27.x)
+
+
+def installed_nccl_version() -> str:
+    """The version of the NCCL wheel torch's CUDA builds load (nvidia-nccl-cu12 or -cu13, read from
+    the package metadata without importing torch), or DEFAULT_NCCL_VERSION without one."""
+    from importlib import metadata
+
+    for name in ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11"):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return DEFAULT_NCCL_VERSION

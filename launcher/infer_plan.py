@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from launcher.hardware import installed_nccl_version
 from launcher.errors import ConfigError
 from launcher import device_map, infer, margin, quant
 from launcher.memory import runtime
@@ -109,7 +110,8 @@ def _plan(config, spec) -> dict:
     except ValueError as err:
         raise ConfigError(f"inference.tp_size={inf.tp_size}: {err}") from None
     cuda = hw.device == "cuda"
-    nvls = runtime.nvls_bytes(inf.tp_size, runtime.nccl_version(hw.nccl_version)) if cuda and hw.nvls else 0
+    nccl = hw.nccl_version or installed_nccl_version()
+    nvls = runtime.nvls_bytes(inf.tp_size, runtime.nccl_version(nccl)) if cuda and hw.nvls else 0
     outside = (runtime.cuda_context_bytes(hw.cuda_context_bytes)
                + runtime.nccl_bytes(inf.tp_size) + nvls) if cuda else 0
     activation = max(est["prefill_activation_bytes"], est["decode_activation_bytes"])
@@ -130,7 +132,7 @@ def _plan(config, spec) -> dict:
                   *_cache_notes(inf),
                   "device total = peak tensor bytes + CUDA context"
                   + (" + NCCL (one process group)" if inf.tp_size > 1 else "")
-                  + (f" + its NVLS buffers ({nvls / 2**20:.0f} MiB, NCCL {hw.nccl_version}: runtime.py nvls_bytes)"
+                  + (f" + its NVLS buffers ({nvls / 2**20:.0f} MiB, NCCL {nccl}: runtime.py nvls_bytes)"
                      if nvls else "")
                   + "; the allocator's reserve above allocated is not included",
                   *_how_sure(total, hw)],

@@ -68,7 +68,8 @@ def run_problems(c: LauncherConfig) -> list[str]:
     out += [f"hardware.peak_tflops.{k}={v}: must be a positive number" for k, v in hw.peak_tflops.items()
             if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v))]
     try:
-        runtime.nccl_version(hw.nccl_version)
+        if hw.nccl_version is not None:
+            runtime.nccl_version(hw.nccl_version)
     except ValueError as err:
         out.append(f"hardware.nccl_version={hw.nccl_version}: {err}")
     out += launch_problems(c)

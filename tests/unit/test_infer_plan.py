@@ -231,3 +231,32 @@ def test_the_exllama_kernel_is_refused_for_8_bit_gptq():
     problems = check(config, model_spec(config))
     assert problems == ["inference.gptq_kernel=exllama is AutoGPTQ's 4-bit kernel, not for inference.precision="
                         "gptq_int8; use inference.precision=gptq_int4 or inference.gptq_kernel=cuda_old"]
+
+
+def test_tensor_parallel_serving_on_nvswitch_gpus_holds_nvls_buffers(cli):
+    """A tp=4 serving plan on H100s (NVLink SHARP) holds the NVLS buffers of its one communicator of
+    4 GPUs (runtime.py nvls_bytes) outside the allocator; with NCCL 2.19.3 NCCL bound 1 GiB for 4
+    GPUs (NVIDIA/nccl-tests issue 216); hardware.nvls=false drops them."""
+    args = ("model=llama-2-70b", "hardware=h100-80g", "gpus=4", "inference.tp_size=4", "hardware.nccl_version=2.19.3")
+    with_nvls = run_json(cli, *args)
+    without = run_json(cli, *args, "hardware.nvls=false")
+    assert with_nvls["per_gpu"]["device_total_bytes"] - without["per_gpu"]["device_total_bytes"] == 2**30
+    assert with_nvls["per_gpu"]["peak_allocated_bytes"] == without["per_gpu"]["peak_allocated_bytes"]
+
+
+def test_the_nccl_version_defaults_to_the_installed_nccl_wheel(monkeypatch):
+    """hardware.nccl_version=null reads the nvidia-nccl wheel torch's CUDA builds load, without
+    importing torch; with none installed (CPU torch), the stated default."""
+    from importlib import metadata
+
+    from launcher import hardware
+
+    def version(name):
+        if name == "nvidia-nccl-cu12":
+            return "2.19.3"
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", version)
+    assert hardware.installed_nccl_version() == "2.19.3"
+    monkeypatch.setattr(metadata, "version", lambda name: (_ for _ in ()).throw(metadata.PackageNotFoundError(name)))
+    assert hardware.installed_nccl_version() == hardware.DEFAULT_NCCL_VERSION
