@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from launcher.hardware import installed_nccl_version
+from launcher.hardware import job_nccl_version
 from launcher.errors import ConfigError
 from launcher import device_map, infer, margin, quant
 from launcher.memory import runtime
@@ -110,8 +110,8 @@ def _plan(config, spec) -> dict:
     except ValueError as err:
         raise ConfigError(f"inference.tp_size={inf.tp_size}: {err}") from None
     cuda = hw.device == "cuda"
-    nccl = hw.nccl_version or installed_nccl_version()
-    nvls = runtime.nvls_bytes(inf.tp_size, runtime.nccl_version(nccl)) if cuda and hw.nvls else 0
+    nccl = job_nccl_version(hw) if cuda and hw.nvls else None
+    nvls = runtime.nvls_bytes(inf.tp_size, runtime.nccl_version(nccl)) if nccl else 0
     outside = (runtime.cuda_context_bytes(hw.cuda_context_bytes)
                + runtime.nccl_bytes(inf.tp_size) + nvls) if cuda else 0
     activation = max(est["prefill_activation_bytes"], est["decode_activation_bytes"])

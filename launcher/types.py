@@ -58,7 +58,7 @@ class Cluster:
     attention_tflops: dict = field(default_factory=dict)  # dtype -> fused attention TFLOP/s; {} = peak x efficiency
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF expandable_segments:True in the job's environment
     nvls: bool = False  # NVLink SHARP across the node's NVSwitch (HardwareConfig.nvls)
-    nccl_version: str = "2.27"  # the job's NCCL (HardwareConfig.nccl_version, resolved by hardware.cluster_from)
+    nccl_version: Optional[str] = None  # the job's NCCL with nvls (hardware.py job_nccl_version); None without
 
     @property
     def gpus_per_node(self) -> int:
