@@ -95,13 +95,16 @@ DEFAULT_NCCL_VERSION = "2.27"  # assumption: the series recent torch CUDA wheels
 
 
 def installed_nccl_version() -> str:
-    """The version of the NCCL wheel torch's CUDA builds load (nvidia-nccl-cu12 or -cu13, read from
-    the package metadata without importing torch), or DEFAULT_NCCL_VERSION without one."""
+    """The release (major.minor.patch) of the NCCL wheel torch's CUDA builds load (nvidia-nccl-cu12
+    or -cu13, read from the package metadata without importing torch; a post-release suffix such
+    as 2.26.2.post1 is dropped), or DEFAULT_NCCL_VERSION without one."""
     from importlib import metadata
 
     for name in ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11"):
         try:
-            return metadata.version(name)
+            release = re.match(r"\d+\.\d+(\.\d+)?", metadata.version(name))
         except metadata.PackageNotFoundError:
             continue
+        if release:
+            return release.group(0)
     return DEFAULT_NCCL_VERSION

@@ -258,5 +258,7 @@ def test_the_nccl_version_defaults_to_the_installed_nccl_wheel(monkeypatch):
 
     monkeypatch.setattr(metadata, "version", version)
     assert hardware.installed_nccl_version() == "2.19.3"
+    monkeypatch.setattr(metadata, "version", lambda name: "2.26.2.post1")  # a post release: its release part
+    assert hardware.installed_nccl_version() == "2.26.2"
     monkeypatch.setattr(metadata, "version", lambda name: (_ for _ in ()).throw(metadata.PackageNotFoundError(name)))
     assert hardware.installed_nccl_version() == hardware.DEFAULT_NCCL_VERSION
