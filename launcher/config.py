@@ -281,6 +281,16 @@ class TrainingConfig:
     `initialization`). Planning only: the other strategies' plans do not depend on it (DDP and
     single keep the parameters as built; DeepSpeed moves them to the host before flattening and
     empties the cache), and the worker always builds on the host."""
+    keep_outputs: bool = False
+    """The training loop keeps each step's model outputs until the next forward returns, as a loop
+    that assigns them does (`outputs = model(**batch)`, `loss = outputs.loss`: transformers'
+    examples/pytorch/*_no_trainer.py and accelerate's examples): the logits and, as transformers 4
+    returned it with the configs' default `use_cache`, every layer's keys and values (GPT-2's views
+    of its fused qkv projection, so the projection's storage) outlive the step's backward and
+    optimizer step, and the previous step's are alive through the next forward (launcher/trace.py
+    `_previous_outputs`). false: the outputs are dropped once the loss is taken, as HF Trainer's
+    `compute_loss`, torchtune's recipes and the launcher's workers do. Planning only: the worker
+    runs the launcher's own loop, so such a plan is an estimate only."""
     warmup_steps: int = 0
     max_steps: int = 30
     """Optimizer steps of a run."""

@@ -113,7 +113,8 @@ def workload(config: LauncherConfig, spec: ModelSpec, micro: int) -> Workload:
                     checkpoint_policy=t.checkpoint_policy.name, kernels="liger" if t.liger_kernel else "torch",
                     causal_lm_loss=t.causal_lm_loss.name, optimizer_in_backward=t.optimizer_in_backward,
                     zero_grad_set_to_none=t.zero_grad_set_to_none,
-                    sgd_momentum=float(t.sgd_momentum), built_on_device=t.built_on_device)
+                    sgd_momentum=float(t.sgd_momentum), built_on_device=t.built_on_device,
+                    keep_outputs=t.keep_outputs)
 
 
 def ask(config: LauncherConfig, cluster: Cluster, env: Env, peft: str = "none") -> Ask:
@@ -158,10 +159,14 @@ def quant_problem(strategy: Strategy, variant: TrainingVariant) -> str:
 def kernels_problem(config: LauncherConfig, device: str, env: Env) -> str:
     """Why the kernels a config asks for cannot run here, or ''. Liger's are Triton kernels: GPUs
     only, and the liger-kernel package (launcher/liger.py). Another transformers version's loss
-    (training.causal_lm_loss) is planned, never run."""
+    (training.causal_lm_loss) and another loop's kept outputs (training.keep_outputs) are planned,
+    never run."""
     if config.training.causal_lm_loss.name != "model":
         return (f"training.causal_lm_loss={config.training.causal_lm_loss.name} plans another transformers "
                 "version's loss; the worker runs the installed one: estimate only")
+    if config.training.keep_outputs:
+        return ("training.keep_outputs=true plans a loop that keeps each step's outputs; the worker runs the "
+                "launcher's own loop: estimate only")
     if not config.training.liger_kernel:
         return ""
     if device != "cuda":
@@ -213,7 +218,7 @@ def trace_key(spec: ModelSpec, strategy: Strategy, wl: Workload, lora=None):
                           gradient_checkpointing=wl.gradient_checkpointing,
                           checkpoint_policy=wl.checkpoint_policy if wl.gradient_checkpointing else "full",
                           kernels=wl.kernels, loss=wl.causal_lm_loss,
-                          optimizer_in_backward=wl.optimizer_in_backward, **request)
+                          optimizer_in_backward=wl.optimizer_in_backward, keep_outputs=wl.keep_outputs, **request)
 
 
 def model_numbers(traces) -> dict:

@@ -78,7 +78,9 @@ class StepTrace:
     param: np.ndarray  # int64 index into `params` for PARAM/GRAD/OPTIM rows, else -1
     num_events: int
     phases: dict[str, tuple[int, int]]  # 'build', 'forward', 'backward', 'optimizer', 'zero_grad':
-    #                                     [start_event, end_event) half-open
+    #                                     [start_event, end_event) half-open; with the previous
+    #                                     step's outputs kept (training.keep_outputs), 'previous'
+    #                                     between 'build' and 'forward' makes them
     flops: dict[str, float] = field(default_factory=dict)  # 'forward', 'backward' FLOPs of this step;
     #   'attention_forward', 'attention_backward': the part of each in fused attention kernels (sdpa)
     # Decoder-layer boundaries: 'forward' -> (first layer starts, last layer ends); 'backward' ->
@@ -96,9 +98,10 @@ class StepTrace:
     # Per row, the parameter an optimizer-step temporary was computed for (foreach AdamW's
     # per-parameter square roots), -1 for the rest (trace.py `_owners`). None in hand-built traces.
     owner: np.ndarray | None = None  # int64
-    # Per row, the decoder layer of a module buffer's storage that belongs to one (the buffers of
-    # a GPTQ base's QuantLinear: qweight, qzeros, scales, g_idx), -1 for the rest. None in
-    # hand-built traces.
+    # Per row, the decoder layer of a storage allocated outside the step's layers that belongs to
+    # one: a module buffer's (the buffers of a GPTQ base's QuantLinear: qweight, qzeros, scales,
+    # g_idx), or a layer's part of the previous step's outputs (training.keep_outputs: its cached
+    # keys and values); -1 for the rest. None in hand-built traces.
     buffer_layer: np.ndarray | None = None  # int64
 
     def live_curve(self, free: np.ndarray | None = None, mask: np.ndarray | None = None,

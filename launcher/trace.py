@@ -104,6 +104,9 @@ class TraceKey:
     # FSDP1 (use_orig_params=True): every parameter of a wrapped unit (a decoder layer, or the rest of
     # the model) holding a trainable one gets a gradient too (`_flat_param_grads`)
     flat_param_grads: bool = False
+    # the training loop keeps each step's model outputs until the next forward returns
+    # (training.keep_outputs, `_previous_outputs`)
+    keep_outputs: bool = False
 
     def __post_init__(self):
         _check(self.param_dtype, PARAM_DTYPES, "param_dtype")
@@ -297,7 +300,7 @@ def build_config(key: TraceKey):
     cfg.num_hidden_layers = key.num_layers
     if isinstance(getattr(cfg, "layer_types", None), list):  # per-layer lists follow the depth
         cfg.layer_types = cfg.layer_types[: key.num_layers]
-    cfg.use_cache = False
+    cfg.use_cache = key.keep_outputs  # a kept output holds the cache of keys and values (`_transformers4_cache`)
     return tp_shard_config(cfg, key.tp_size) if key.tp_size > 1 and cfg.model_type in TP_SHARDABLE else cfg
 
 
@@ -388,12 +391,18 @@ def _step_in_backward(key: TraceKey, trainable: list) -> _PerParameter:
     return _PerParameter(optimizers)
 
 
-def _loss(model, ids, key: TraceKey):
+def _loss(model, ids, key: TraceKey, kept: list):
     """The model's own causal-LM loss; a tensor-parallel shard computes ColossalAI's
     vocabulary-parallel loss on its logits slice (launcher/vocab_parallel_loss.py), with the
-    logits held meanwhile, as ColossalAI's causal-LM forward holds them."""
+    logits held meanwhile, as ColossalAI's causal-LM forward holds them. With `key.keep_outputs`
+    the model's output (its logits and the cache of keys and values it returns) is appended to
+    `kept`, as a loop that keeps it does."""
     if key.tp_size > 1:
-        logits = model(input_ids=ids).logits
+        out = model(input_ids=ids)
+        if key.keep_outputs:
+            kept.append(out)
+        logits = out.logits
+        del out
         return vocab_parallel_loss(logits, ids)
     if key.loss in ("fp32_shift_copy", "shift_copy") and key.kernels != "liger":
         # fp32_shift_copy: transformers 4.37-4.45, LlamaForCausalLM.forward (and Mistral's,
@@ -404,11 +413,49 @@ def _loss(model, ids, key: TraceKey):
         # compute_loss drops the outputs before backward
         import torch
 
-        logits = model(input_ids=ids).logits
+        out = model(input_ids=ids)
+        if key.keep_outputs:
+            kept.append(out)
+        logits = out.logits
+        del out
         logits = logits.float() if key.loss == "fp32_shift_copy" else logits
         shift = logits[..., :-1, :].contiguous()
         return torch.nn.functional.cross_entropy(shift.view(-1, shift.shape[-1]), ids[..., 1:].contiguous().view(-1))
-    return model(input_ids=ids, labels=ids).loss
+    out = model(input_ids=ids, labels=ids)
+    if key.keep_outputs:
+        kept.append(out)
+    return out.loss
+
+
+def _previous_outputs(model, ids, key: TraceKey, rec: _Recorder, num_layers: int) -> tuple[object, dict]:
+    """The previous step's model outputs, alive when this step's forward starts: a loop that
+    assigns them to a variable (`outputs = model(**batch)`: transformers' examples/pytorch/
+    *_no_trainer.py and accelerate's examples) drops them only when the next forward returns.
+    They are the logits and, with `use_cache` (the configs' default), the keys and values every
+    layer returns, which hold their projections' storages (GPT-2's fused qkv output, of which
+    they are views). Made by one forward without autograd (the same storages a step's forward
+    returns; its temporaries are freed before this step starts). Returns the outputs and, per
+    storage still alive, the decoder layer that allocated it (the rebuild at the real depth
+    repeats a layer's: launcher/memory/replay.py `full_depth_items`)."""
+    import torch
+
+    layers = next((m for m in model.modules()
+                   if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers), None)
+    starts: list[tuple[int, int]] = []  # (event, layer): allocations from `event` on are that layer's
+    hooks = [] if layers is None else [
+        h for i, layer in enumerate(layers) for h in (
+            layer.register_forward_pre_hook(lambda *_, i=i: starts.append((rec.num_events, i))),
+            layer.register_forward_hook(lambda *_: starts.append((rec.num_events, -1))))]
+    first = len(rec.nbytes)
+    with torch.no_grad():
+        out = model(input_ids=ids, labels=ids) if key.loss == "model" and key.tp_size == 1 else model(input_ids=ids)
+    for h in hooks:
+        h.remove()
+    events = np.array([e for e, _ in starts], np.int64)
+    owners = np.array([-1] + [i for _, i in starts], np.int64)
+    layer_of = {row: int(owners[np.searchsorted(events, rec.alloc[row], side="right")])
+                for row in range(first, len(rec.nbytes)) if rec.free[row] < 0}
+    return out, layer_of
 
 
 def _run_step(key: TraceKey, rec: _Recorder, marks: dict, grads: dict):
@@ -434,6 +481,13 @@ def _run_step(key: TraceKey, rec: _Recorder, marks: dict, grads: dict):
         if key.trainable == "lora":
             model, marks["quantized"] = _apply_lora(model, key)
         given_grads = _flat_param_grads(model) if key.flat_param_grads else []
+        previous, ids, marks["previous_layers"] = None, None, {}
+        if key.keep_outputs:  # before the layers are watched: the first forward they see is the step's
+            ids = torch.randint(0, vocab_size, (key.micro_batch_size, key.seq_len))
+            marks["previous"] = rec.num_events
+            with torch.autocast("cpu", dtype=getattr(torch, key.autocast_dtype or "float32"),
+                                enabled=key.autocast_dtype is not None):
+                previous, marks["previous_layers"] = _previous_outputs(model, ids, key, rec, key.num_layers)
         _watch_layers(model, key.num_layers, rec, marks)
         trainable = [p for p in model.parameters() if p.requires_grad]
         for p in trainable:
@@ -441,11 +495,13 @@ def _run_step(key: TraceKey, rec: _Recorder, marks: dict, grads: dict):
                 lambda p: grads.__setitem__(id(p), (rec.num_events, rec.row(p.grad))))
         in_backward = _step_in_backward(key, trainable) if key.optimizer_in_backward else None
         opt = _make_optimizer(key, trainable) if key.optimizer != "none" and in_backward is None else None
-        ids = torch.randint(0, vocab_size, (key.micro_batch_size, key.seq_len))
+        if ids is None:
+            ids = torch.randint(0, vocab_size, (key.micro_batch_size, key.seq_len))
         marks["forward"], flops0, attn0 = rec.num_events, rec.flops, rec.attention_flops
         with torch.autocast("cpu", dtype=getattr(torch, key.autocast_dtype or "float32"),
                             enabled=key.autocast_dtype is not None):
-            loss = _loss(model, ids, key)
+            loss = _loss(model, ids, key, kept := [])
+        del previous  # this step's outputs replace them as the forward returns
         marks["backward"], flops1, attn1 = rec.num_events, rec.flops, rec.attention_flops
         loss.backward()
         del loss
@@ -458,6 +514,7 @@ def _run_step(key: TraceKey, rec: _Recorder, marks: dict, grads: dict):
             rec.derive = False
         marks["zero_grad"] = rec.num_events
         (opt or model).zero_grad(set_to_none=True)
+        del kept[:]  # kept until the next forward returns: the previous outputs of that step
         marks["end"] = rec.num_events
         for p in given_grads:  # the parameter table records what the optimizer steps
             p.requires_grad_(False)
@@ -554,6 +611,31 @@ def _watch_layers(model, num_layers: int, rec: _Recorder, marks: dict) -> None:
         with_kwargs=True)
     layers[-1].register_forward_hook(
         lambda m, args, out: watch(torch.utils._pytree.tree_leaves(out), "fwd1", "bwd0"))
+
+
+@contextlib.contextmanager
+def _transformers4_cache():
+    """The cache of keys and values as transformers 4 fills it in a training forward: each layer's
+    own key and value tensors (4.36-4.5x `DynamicCache.update` appends them; earlier releases
+    return them as a tuple), not copies (transformers 5's `DynamicLayer.update` concatenates them
+    onto an empty tensor). GPT-2's are views of its fused qkv projection, so a kept output holds
+    every layer's projection."""
+    from transformers.cache_utils import DynamicLayer
+
+    original = DynamicLayer.update
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if self.is_initialized:
+            return original(self, key_states, value_states, *args, **kwargs)
+        self.lazy_initialization(key_states, value_states)
+        self.keys, self.values = key_states, value_states
+        return self.keys, self.values
+
+    DynamicLayer.update = update
+    try:
+        yield
+    finally:
+        DynamicLayer.update = original
 
 
 @contextlib.contextmanager
@@ -749,7 +831,8 @@ def trace_step(key: TraceKey) -> StepTrace:
     rec, marks, grads = _Recorder(), {}, {}
     linear = _zero3_linear() if key.zero3_linear else contextlib.nullcontext()
     sdpa = _sdpa_as_transformers4() if key.transformers4 else contextlib.nullcontext()
-    with _unpacked_sequences(), linear, sdpa, _quiet_fake_kernels(), FakeTensorMode(allow_non_fake_inputs=True), \
+    cache = _transformers4_cache() if key.keep_outputs else contextlib.nullcontext()
+    with _unpacked_sequences(), linear, sdpa, cache, _quiet_fake_kernels(), FakeTensorMode(allow_non_fake_inputs=True), \
             _dispatch_mode(rec):
         model, opt = _run_step(key, rec, marks, grads)
         n, num_events = len(rec.nbytes), marks["end"]  # later frees and rows are not the step's
@@ -757,12 +840,18 @@ def trace_step(key: TraceKey) -> StepTrace:
         kind, ready, param = _classify(model, opt, rec, n, params, param_rows, grads)
         owner = _owners(rec.derived, param)
         buffer_layer = _buffer_layers(model, rec, n)
+        for row, layer in marks["previous_layers"].items():  # a layer's part of the previous outputs
+            if row < n and layer >= 0:
+                buffer_layer[row] = layer
         kind[marks["inputs"]] = Kind.BUFFER
         free = np.array(rec.free[:n], np.int64)
         nbytes = list(rec.nbytes[:n])
         _four_bit_rows(nbytes, marks.get("quantized", ()), rec, key)
     free[(free < 0) | (free > num_events)] = num_events
     phases = {ph: (marks[ph], marks[nxt]) for ph, nxt in zip(PHASES, PHASES[1:] + ("end",))}
+    if "previous" in marks:  # the previous step's outputs are made after the build (`_previous_outputs`)
+        phases = {"build": (marks["build"], marks["previous"]), "previous": (marks["previous"], marks["forward"]),
+                  **{ph: ab for ph, ab in phases.items() if ph != "build"}}
     bounds = {ph: (marks[a], marks[b]) for ph, a, b in
               (("forward", "fwd0", "fwd1"), ("backward", "bwd0", "bwd1")) if a in marks and b in marks}
     if "fwd_input" in marks and "forward" in bounds:
@@ -885,7 +974,7 @@ def cache_key(key: TraceKey) -> str:
 def _cache_key(key: TraceKey) -> str:
     fields = dataclasses.asdict(key)
     for name in ("kbit_upcast", "gptq_group_size", "lora_dora", "lora_modules_to_save", "lora_train_base",
-                 "zero3_linear", "transformers4", "flat_param_grads"):
+                 "zero3_linear", "transformers4", "flat_param_grads", "keep_outputs"):
         # unset: the key hashes as before the field existed
         if not fields.get(name):
             fields.pop(name, None)

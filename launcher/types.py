@@ -23,6 +23,7 @@ class Workload:
     sgd_momentum: float = 0.9  # training.sgd_momentum (with optimizer sgd; 0 = no momentum buffers)
     grad_accum_steps: int = 1  # micro-batches per optimizer step (the memory layouts; traces do not depend on it)
     built_on_device: bool = False  # training.built_on_device (a layout's initialization replay; not the trace)
+    keep_outputs: bool = False  # the loop keeps each step's outputs until the next forward returns (training.keep_outputs)
 
     @property
     def state_optimizer(self) -> str:
