@@ -497,10 +497,11 @@ def _run_step(key: TraceKey, rec: _Recorder, marks: dict, grads: dict):
         opt = _make_optimizer(key, trainable) if key.optimizer != "none" and in_backward is None else None
         if ids is None:
             ids = torch.randint(0, vocab_size, (key.micro_batch_size, key.seq_len))
+        kept: list = []  # this step's outputs, with key.keep_outputs
         marks["forward"], flops0, attn0 = rec.num_events, rec.flops, rec.attention_flops
         with torch.autocast("cpu", dtype=getattr(torch, key.autocast_dtype or "float32"),
                             enabled=key.autocast_dtype is not None):
-            loss = _loss(model, ids, key, kept := [])
+            loss = _loss(model, ids, key, kept)
         del previous  # this step's outputs replace them as the forward returns
         marks["backward"], flops1, attn1 = rec.num_events, rec.flops, rec.attention_flops
         loss.backward()
@@ -616,8 +617,8 @@ def _watch_layers(model, num_layers: int, rec: _Recorder, marks: dict) -> None:
 @contextlib.contextmanager
 def _transformers4_cache():
     """The cache of keys and values as transformers 4 fills it in a training forward: each layer's
-    own key and value tensors (4.36-4.5x `DynamicCache.update` appends them; earlier releases
-    return them as a tuple), not copies (transformers 5's `DynamicLayer.update` concatenates them
+    own key and value tensors (4.36's `DynamicCache.update` appends them; earlier releases return
+    them as a tuple), not copies (transformers 5's `DynamicLayer.update` concatenates them
     onto an empty tensor). GPT-2's are views of its fused qkv projection, so a kept output holds
     every layer's projection."""
     from transformers.cache_utils import DynamicLayer

@@ -103,12 +103,13 @@ def full_depth_items(shallower: Layout, deeper: Layout, num_layers: int) -> tupl
     its optimizer states, the optimizer step's temporaries computed for it: `StepTrace.owner`; a
     framework's copy of it, `Term.param`, released in the inserted layer's block) or of one of its
     modules' buffers (a GPTQ base's packed weights: `StepTrace.buffer_layer`), or its part of the
-    previous step's outputs that a loop keeps (the same field), is repeated where it is. None when `layer_blocks` is None or the model is no deeper than the
-    trace. A framework storage that both depths hold as many of is one storage of the whole
-    model wherever it is allocated (`_term_growth`): it is not repeated, and grows by k times what
-    one more layer adds to it; those alive through the whole step are matched by name, or summed
-    per category when their number grows with the model (`_persistent_growth`). A storage of the
-    middle layer freed as the last layer returns is freed as the next layer returns, in every
+    previous step's outputs that a loop keeps (the same field), is repeated where it is. None when
+    `layer_blocks` is None or the model is no deeper than the trace. A framework storage that both
+    depths hold as many of is one storage of the whole model wherever it is allocated
+    (`_term_growth`): it is not repeated, and grows by k times what one more layer adds to it;
+    those alive through the whole step are matched by name, or summed per category when their
+    number grows with the model (`_persistent_growth`). A storage of the middle layer freed as the
+    last layer returns is freed as the next layer returns, in every
     copy. Not exact: a tensor of the second-to-last
     layer that the last layer frees only when its forward ends (a 16-bit model under ZeRO) is
     freed there in every inserted layer too, instead of one layer later (tests/unit/
