@@ -73,3 +73,38 @@ def test_kept_outputs_rebuilt_at_depth_replay_like_the_step_traced_there():
     # and the linear extrapolation of the phase peaks agrees with the traced depth
     extrapolated = TraceSet(t[2], t[3], depth).phase_max("forward")
     assert extrapolated == t[depth].phase_max(t[depth].live_curve(), "forward")
+
+
+def test_a_real_loop_that_keeps_its_outputs_peaks_as_traced():
+    """Two real steps on the CPU of the loop the trace models (`outputs = model(input_ids=ids,
+    labels=ids)`, backward, AdamW, zero_grad), with transformers 4's cache: the second step, which
+    starts with the first one's outputs and optimizer states alive, peaks at the traced step's
+    live bytes plus those states (which the traced step makes in its optimizer phase)."""
+    import torch
+
+    from launcher.steptrace import Kind, event_curve
+    from launcher.worker.storage_tracker import StorageTracker
+
+    key = dataclasses.replace(_key(3, True), loss="model")
+    t = tr.trace_step(key)
+    alloc = t.alloc.copy()
+    alloc[t.kind == Kind.OPTIM] = 0  # alive from the start of a later step
+    steady = event_curve(alloc, t.free, t.nbytes, t.num_events)
+    traced = int(steady[t.phases["forward"][0]:].max())
+
+    cfg = tr.build_config(key)
+    torch.manual_seed(0)
+    with tr._transformers4_cache(), StorageTracker() as tracker:
+        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        for step in range(2):
+            if step == 1:
+                tracker.reset_peak()
+            ids = torch.randint(0, V, (B, S))
+            outputs = model(input_ids=ids, labels=ids)
+            outputs.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        real = tracker.peak_bytes
+    del outputs
+    assert real == traced  # 3,608,228 bytes; 3,493,536 for the same loop dropping its outputs
