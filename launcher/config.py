@@ -284,13 +284,20 @@ class TrainingConfig:
     keep_outputs: bool = False
     """The training loop keeps each step's model outputs until the next forward returns, as a loop
     that assigns them does (`outputs = model(**batch)`, `loss = outputs.loss`: transformers'
-    examples/pytorch/*_no_trainer.py and accelerate's examples): the logits and, as transformers 4
-    returned it with the configs' default `use_cache`, every layer's keys and values (GPT-2's views
-    of its fused qkv projection, so the projection's storage) outlive the step's backward and
-    optimizer step, and the previous step's are alive through the next forward (launcher/trace.py
-    `_previous_outputs`). false: the outputs are dropped once the loss is taken, as HF Trainer's
-    `compute_loss`, torchtune's recipes and the launcher's workers do. Planning only: the worker
-    runs the launcher's own loop, so such a plan is an estimate only."""
+    examples/pytorch/*_no_trainer.py, accelerate's examples, DeepSpeed-Chat's training): the
+    logits (and, with training.use_cache, every layer's keys and values) outlive the step's
+    backward and optimizer step, and the previous step's are alive through the next forward
+    (launcher/trace.py `_previous_outputs`). false: the outputs are dropped once the loss is taken,
+    as HF Trainer's `compute_loss`, torchtune's recipes and the launcher's workers do. Planning
+    only: the worker runs the launcher's own loop, so such a plan is an estimate only."""
+    use_cache: bool = False
+    """The training forward builds the cache of keys and values, as transformers 4 does with the
+    configs' default `use_cache=True` and no gradient checkpointing: each layer's own key and value
+    tensors, not copies (GPT-2's are views of its fused qkv projection, so they hold the
+    projection, which autograd does not otherwise keep), alive until the outputs are dropped
+    (launcher/trace.py `_transformers4_cache`). Under gradient checkpointing transformers turns the
+    cache off. false: no cache, as the launcher's workers set it (`use_cache = False`). Planning
+    only: such a plan is an estimate only."""
     warmup_steps: int = 0
     max_steps: int = 30
     """Optimizer steps of a run."""

@@ -107,6 +107,9 @@ class TraceKey:
     # the training loop keeps each step's model outputs until the next forward returns
     # (training.keep_outputs, `_previous_outputs`)
     keep_outputs: bool = False
+    # the forward returns the cache of keys and values, as transformers 4 filled it in training
+    # (training.use_cache, `_transformers4_cache`)
+    use_cache: bool = False
 
     def __post_init__(self):
         _check(self.param_dtype, PARAM_DTYPES, "param_dtype")
@@ -300,7 +303,7 @@ def build_config(key: TraceKey):
     cfg.num_hidden_layers = key.num_layers
     if isinstance(getattr(cfg, "layer_types", None), list):  # per-layer lists follow the depth
         cfg.layer_types = cfg.layer_types[: key.num_layers]
-    cfg.use_cache = key.keep_outputs  # a kept output holds the cache of keys and values (`_transformers4_cache`)
+    cfg.use_cache = key.use_cache  # the cache of keys and values, as transformers 4 fills it (`_transformers4_cache`)
     return tp_shard_config(cfg, key.tp_size) if key.tp_size > 1 and cfg.model_type in TP_SHARDABLE else cfg
 
 
@@ -414,11 +417,11 @@ def _loss(model, ids, key: TraceKey, kept: list):
         import torch
 
         out = model(input_ids=ids)
-        if key.keep_outputs:
-            kept.append(out)
-        logits = out.logits
-        del out
+        logits, cache = out.logits, out.past_key_values  # those versions computed the loss in the
+        del out  # forward, so its cache (training.use_cache) is alive through it
         logits = logits.float() if key.loss == "fp32_shift_copy" else logits
+        if key.keep_outputs:  # what those forwards returned: these logits and the cache
+            kept.append((logits, cache))
         shift = logits[..., :-1, :].contiguous()
         return torch.nn.functional.cross_entropy(shift.view(-1, shift.shape[-1]), ids[..., 1:].contiguous().view(-1))
     out = model(input_ids=ids, labels=ids)
@@ -431,9 +434,9 @@ def _previous_outputs(model, ids, key: TraceKey, rec: _Recorder, num_layers: int
     """The previous step's model outputs, alive when this step's forward starts: a loop that
     assigns them to a variable (`outputs = model(**batch)`: transformers' examples/pytorch/
     *_no_trainer.py and accelerate's examples) drops them only when the next forward returns.
-    They are the logits and, with `use_cache` (the configs' default), the keys and values every
-    layer returns, which hold their projections' storages (GPT-2's fused qkv output, of which
-    they are views). Made by one forward without autograd (the same storages a step's forward
+    They are the logits and, with the cache (`key.use_cache`), the keys and values every layer
+    returns, which hold their projections' storages (GPT-2's fused qkv output, of which they are
+    views). Made by one forward without autograd (the same storages a step's forward
     returns; its temporaries are freed before this step starts). Returns the outputs and, per
     storage still alive, the decoder layer that allocated it (the rebuild at the real depth
     repeats a layer's: launcher/memory/replay.py `full_depth_items`)."""
@@ -449,6 +452,8 @@ def _previous_outputs(model, ids, key: TraceKey, rec: _Recorder, num_layers: int
     first = len(rec.nbytes)
     with torch.no_grad():
         out = model(input_ids=ids, labels=ids) if key.loss == "model" and key.tp_size == 1 else model(input_ids=ids)
+        if key.loss == "fp32_shift_copy" and key.tp_size == 1 and key.kernels != "liger":
+            out = (out.logits.float(), out.past_key_values)  # what those forwards returned (`_loss`)
     for h in hooks:
         h.remove()
     events = np.array([e for e, _ in starts], np.int64)
@@ -620,7 +625,8 @@ def _transformers4_cache():
     own key and value tensors (4.36's `DynamicCache.update` appends them; earlier releases return
     them as a tuple), not copies (transformers 5's `DynamicLayer.update` concatenates them
     onto an empty tensor). GPT-2's are views of its fused qkv projection, so a kept output holds
-    every layer's projection."""
+    every layer's projection: alive until the outputs are dropped (HF Trainer's `compute_loss`
+    drops them once the loss is taken), or the next forward returns (`_previous_outputs`)."""
     from transformers.cache_utils import DynamicLayer
 
     original = DynamicLayer.update
@@ -832,7 +838,7 @@ def trace_step(key: TraceKey) -> StepTrace:
     rec, marks, grads = _Recorder(), {}, {}
     linear = _zero3_linear() if key.zero3_linear else contextlib.nullcontext()
     sdpa = _sdpa_as_transformers4() if key.transformers4 else contextlib.nullcontext()
-    cache = _transformers4_cache() if key.keep_outputs else contextlib.nullcontext()
+    cache = _transformers4_cache() if key.use_cache else contextlib.nullcontext()
     with _unpacked_sequences(), linear, sdpa, cache, _quiet_fake_kernels(), FakeTensorMode(allow_non_fake_inputs=True), \
             _dispatch_mode(rec):
         model, opt = _run_step(key, rec, marks, grads)
@@ -975,7 +981,8 @@ def cache_key(key: TraceKey) -> str:
 def _cache_key(key: TraceKey) -> str:
     fields = dataclasses.asdict(key)
     for name in ("kbit_upcast", "gptq_group_size", "lora_dora", "lora_modules_to_save", "lora_train_base",
-                 "zero3_linear", "transformers4", "flat_param_grads", "keep_outputs"):
+                 "zero3_linear", "transformers4", "flat_param_grads", "keep_outputs",
+                 "use_cache"):
         # unset: the key hashes as before the field existed
         if not fields.get(name):
             fields.pop(name, None)

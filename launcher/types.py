@@ -24,6 +24,7 @@ class Workload:
     grad_accum_steps: int = 1  # micro-batches per optimizer step (the memory layouts; traces do not depend on it)
     built_on_device: bool = False  # training.built_on_device (a layout's initialization replay; not the trace)
     keep_outputs: bool = False  # the loop keeps each step's outputs until the next forward returns (training.keep_outputs)
+    use_cache: bool = False  # the forward builds transformers 4's cache of keys and values (training.use_cache)
 
     @property
     def state_optimizer(self) -> str:

@@ -1,7 +1,8 @@
 """A loop that keeps each step's model outputs (training.keep_outputs; `outputs = model(**batch)`
 in transformers' *_no_trainer.py examples): the previous step's outputs are alive through the
 next forward, and this step's outlive its backward and optimizer step (launcher/trace.py
-`_previous_outputs`, `_transformers4_cache`)."""
+`_previous_outputs`); with transformers 4's cache of keys and values in training
+(training.use_cache, `_transformers4_cache`), the outputs hold it too."""
 from __future__ import annotations
 
 import collections
@@ -24,9 +25,9 @@ B, S, H, V = 2, 16, 64, 320  # micro-batch, tokens, hidden size, vocabulary
 GPT2 = transformers.GPT2Config(n_embd=H, n_head=4, vocab_size=V, n_positions=64, n_layer=2)
 
 
-def _key(depth: int, keep: bool, **more) -> tr.TraceKey:
+def _key(depth: int, keep: bool, cache: bool = True, **more) -> tr.TraceKey:
     return tr.TraceKey(tr.canonical_config_json(GPT2), depth, B, S, attn_implementation="eager",
-                       loss="shift_copy", optimizer="adamw_foreach", keep_outputs=keep, **more)
+                       loss="shift_copy", optimizer="adamw_foreach", keep_outputs=keep, use_cache=cache, **more)
 
 
 def test_the_previous_step_s_logits_and_each_layer_s_qkv_projection_are_alive_through_the_forward():
@@ -46,16 +47,20 @@ def test_the_previous_step_s_logits_and_each_layer_s_qkv_projection_are_alive_th
     assert collections.Counter(t.nbytes[kept].tolist()) == {B * S * 3 * H * 4: 3, B * S * V * 4: 1}
 
 
-def test_the_forward_peak_grows_by_the_previous_outputs_and_this_step_s_projections():
+def test_the_forward_peak_grows_by_what_the_outputs_hold():
     """The forward peaks at the loss (the logits, their shifted copy and the cross-entropy's
-    temporaries), where the loop holds the previous step's outputs and this step's qkv projections,
-    which a step without the cache frees inside each layer; this step's logits are alive there
-    either way."""
-    dropped, kept = (tr.trace_step(_key(3, keep)) for keep in (False, True))
+    temporaries), where this step's logits are alive either way. A loop that keeps its outputs adds
+    the previous step's logits; the cache adds this step's qkv projections (which a step without
+    it frees inside each layer), and, kept, the previous step's too."""
+    def forward_peak(keep: bool, cache: bool) -> int:
+        t = tr.trace_step(_key(3, keep, cache))
+        return t.phase_max(t.live_curve(), "forward")
     logits, projections = B * S * V * 4, 3 * B * S * 3 * H * 4
-    grown = kept.phase_max(kept.live_curve(), "forward") - dropped.phase_max(dropped.live_curve(), "forward")
-    assert grown == logits + 2 * projections
-    assert tr.cache_key(_key(3, False)) != tr.cache_key(_key(3, True))
+    base = forward_peak(False, False)
+    assert forward_peak(True, False) - base == logits
+    assert forward_peak(False, True) - base == projections
+    assert forward_peak(True, True) - base == logits + 2 * projections
+    assert len({tr.cache_key(_key(3, keep, cache)) for keep in (False, True) for cache in (False, True)}) == 4
 
 
 def test_kept_outputs_rebuilt_at_depth_replay_like_the_step_traced_there():
