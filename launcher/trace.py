@@ -416,9 +416,11 @@ def _loss(model, ids, key: TraceKey, kept: list):
         # compute_loss drops the outputs before backward
         import torch
 
+        # those versions computed the loss inside the forward, so its cache (training.use_cache)
+        # is alive through the loss
         out = model(input_ids=ids)
-        logits, cache = out.logits, out.past_key_values  # those versions computed the loss in the
-        del out  # forward, so its cache (training.use_cache) is alive through it
+        logits, cache = out.logits, out.past_key_values
+        del out
         logits = logits.float() if key.loss == "fp32_shift_copy" else logits
         if key.keep_outputs:  # what those forwards returned: these logits and the cache
             kept.append((logits, cache))
