@@ -432,37 +432,34 @@ def _loss(model, ids, key: TraceKey, kept: list):
     return out.loss
 
 
-def _previous_outputs(model, ids, key: TraceKey, rec: _Recorder, num_layers: int) -> tuple[object, dict]:
+def _previous_outputs(model, ids, key: TraceKey, rec: _Recorder, num_layers: int) -> tuple[list, dict]:
     """The previous step's model outputs, alive when this step's forward starts: a loop that
     assigns them to a variable (`outputs = model(**batch)`: transformers' examples/pytorch/
     *_no_trainer.py and accelerate's examples) drops them only when the next forward returns.
-    They are the logits and, with the cache (`key.use_cache`), the keys and values every layer
-    returns, which hold their projections' storages (GPT-2's fused qkv output, of which they are
-    views). Made by one forward without autograd (the same storages a step's forward
-    returns; its temporaries are freed before this step starts). Returns the outputs and, per
-    storage still alive, the decoder layer that allocated it (the rebuild at the real depth
+    They are what `_loss` keeps of a step: the logits and, with the cache (`key.use_cache`), the
+    keys and values every layer returns, which hold their projections' storages (GPT-2's fused
+    qkv output, of which they are views). Made by `_loss` without autograd (the same storages a
+    step's forward returns; its temporaries are freed before this step starts). Returns them and,
+    per storage still alive, the decoder layer that allocated it (the rebuild at the real depth
     repeats a layer's: launcher/memory/replay.py `full_depth_items`)."""
     import torch
 
-    layers = next((m for m in model.modules()
-                   if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers), None)
+    layers = _decoder_layers(model, num_layers)
     starts: list[tuple[int, int]] = []  # (event, layer): allocations from `event` on are that layer's
     hooks = [] if layers is None else [
         h for i, layer in enumerate(layers) for h in (
             layer.register_forward_pre_hook(lambda *_, i=i: starts.append((rec.num_events, i))),
             layer.register_forward_hook(lambda *_: starts.append((rec.num_events, -1))))]
-    first = len(rec.nbytes)
+    first, held = len(rec.nbytes), []
     with torch.no_grad():
-        out = model(input_ids=ids, labels=ids) if key.loss == "model" and key.tp_size == 1 else model(input_ids=ids)
-        if key.loss == "fp32_shift_copy" and key.tp_size == 1 and key.kernels != "liger":
-            out = (out.logits.float(), out.past_key_values)  # what those forwards returned (`_loss`)
+        _loss(model, ids, key, held)
     for h in hooks:
         h.remove()
     events = np.array([e for e, _ in starts], np.int64)
     owners = np.array([-1] + [i for _, i in starts], np.int64)
     layer_of = {row: int(owners[np.searchsorted(events, rec.alloc[row], side="right")])
                 for row in range(first, len(rec.nbytes)) if rec.free[row] < 0}
-    return out, layer_of
+    return held, layer_of
 
 
 def _run_step(key: TraceKey, rec: _Recorder, marks: dict, grads: dict):
@@ -583,6 +580,13 @@ def _four_bit_rows(nbytes: list, quantized, rec: _Recorder, key: TraceKey) -> No
                                                                   w.shape[0] if w.dim() == 3 else 1)
 
 
+def _decoder_layers(model, num_layers: int):
+    """The model's `ModuleList` of its `num_layers` decoder layers, or None."""
+    import torch
+
+    return next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers), None)
+
+
 def _watch_layers(model, num_layers: int, rec: _Recorder, marks: dict) -> None:
     """Record in `marks` the events where the decoder layers' forward starts ('fwd0') and ends
     ('fwd1'), and where their backward starts ('bwd0': the gradient of the last layer's output
@@ -594,8 +598,7 @@ def _watch_layers(model, num_layers: int, rec: _Recorder, marks: dict) -> None:
     again in backward)."""
     import torch
 
-    layers = next((m for m in model.modules()
-                   if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers), None)
+    layers = _decoder_layers(model, num_layers)
     if layers is None:
         return
 
