@@ -998,6 +998,8 @@ def _cache_key(key: TraceKey) -> str:
         del fields["tp_size"]
     else:  # the shard layout (vocabulary padding multiple, `tp_padded_vocab`) is part of the trace
         fields["tp_layout"] = 4
+    if key.keep_outputs:  # the kept outputs as `_loss` keeps them, the cache only with use_cache
+        fields["kept_outputs_layout"] = 2
     versions = [installed_version("torch"), installed_version("transformers")]
     if key.trainable == "lora":
         fields["peft_version"] = installed_version("peft")
