@@ -110,13 +110,14 @@ def main(cfg: DictConfig) -> None:
     with working(f"planning {spec.name} on {where}: tracing the model, estimating every strategy"):
         plan = planner.plan(config, spec, cluster, detect())
     plan_dict = report.plan_to_dict(plan, cluster.memory_bytes)
-    (run_dir / "plan.json").write_text(json.dumps(plan_dict, indent=2) + "\n")
+    plan_text = json.dumps(plan_dict, indent=2)  # written and, with report=json, printed: encoded once
+    (run_dir / "plan.json").write_text(plan_text + "\n")
 
     exports.write(plan, config, run_dir)
 
     report_html.write(run_dir, config.planner.safety_margin, cluster.device)
     if config.report.name == "json":
-        print(json.dumps(plan_dict, indent=2))
+        print(plan_text)
     else:
         report_table.print_plan(plan, cluster.memory_bytes, cluster.device, wide=config.report.name == "wide")
     if plan.chosen is None:
