@@ -165,6 +165,8 @@ def step_counts(traces, persistence_threshold: int) -> StepCounts:
         def fn(t):
             a, b = t.phases[phase]
             sel = (t.alloc >= a) & (t.alloc < b)
+            if t.op_class is not None:  # a kernel's workspace row is no op of its own
+                sel &= t.op_class != OpClass.WORKSPACE
             if op_class is not None:  # hand-built traces without op classes: all elementwise
                 sel &= (t.op_class == op_class) if t.op_class is not None else op_class == OpClass.ELEMENTWISE
             if not elements:

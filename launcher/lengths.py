@@ -69,6 +69,8 @@ class VarlenRun:
     short: Workload
     batches: tuple[int, ...]
     profile: str
+    attention_workspace_bytes: int = 0
+    """A GPU attention backward's workspace per call at `short.seq_len` (estimate.py)."""
 
 
 def names() -> list[str]:

@@ -347,7 +347,8 @@ def varlen_run(config: LauncherConfig, spec: ModelSpec, cluster: Cluster, strate
     short = replace(wl, seq_len=wl.seq_len // 2)
     batches = profile.batch_lengths(wl.seq_len, wl.micro_batch_size, t.length_replay_batches, t.seed,
                                     t.length_multiple_of)
-    return VarlenRun(traced(config, spec, strategy, short, lora), short, (*batches, wl.seq_len), profile.name)
+    return VarlenRun(traced(config, spec, strategy, short, lora), short, (*batches, wl.seq_len), profile.name,
+                     attention_workspace(spec, strategy, short))
 
 
 def step_flops(traces) -> dict:

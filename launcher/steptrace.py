@@ -12,7 +12,7 @@ depth 1 and 2 (`TraceSet`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
 
 import numpy as np
@@ -35,6 +35,10 @@ class OpClass(IntEnum):
     ELEMENTWISE = 0  # arithmetic on each element (add, mul, exp, norms, softmax...)
     COPY = 1  # moves or fills memory without arithmetic (casts, copies, cat, gathers, zeros)
     FLOP = 2  # has a FLOP formula (matmul, attention): timed by the FLOP term
+    # not a storage of the traced step: a GPU kernel's own workspace, recorded with 0 bytes around
+    # each fused attention backward (trace.py `_dispatch_mode`); its size is the GPU estimate's
+    # (`with_workspace`); not an op of its own for the host terms
+    WORKSPACE = 3
 
 
 class Role(IntEnum):
@@ -179,3 +183,18 @@ class TraceSet:
         return max((extrapolate(int(c1[a1:b1].max()), int(c2[a2:b2].max()), self.num_layers,
                                 self.depth1.num_layers, self.depth2.num_layers)
                     for (a1, b1), (a2, b2) in zip(s1, s2)), default=0)
+
+
+def with_workspace(traces: TraceSet, nbytes: int) -> TraceSet | None:
+    """`traces` with each fused attention backward's workspace rows (OpClass.WORKSPACE, traced
+    with 0 bytes) at `nbytes`, the workspace one call allocates on a GPU (launcher/memory/runtime.py
+    `flash_attention_backward_bytes`): alive from before the call's outputs to its return, one
+    layer at a time, as the allocator sees them. None when a trace records no such call (an
+    attention that ran as separate ops)."""
+    out = []
+    for t in (traces.depth1, traces.depth2):
+        rows = t.op_class == OpClass.WORKSPACE if t.op_class is not None else None
+        if rows is None or not rows.any():
+            return None
+        out.append(replace(t, nbytes=np.where(rows, np.int64(nbytes), t.nbytes)))
+    return replace(traces, depth1=out[0], depth2=out[1])

@@ -206,6 +206,21 @@ class _Recorder:
         self.num_events += 1
         del self.row_of[sid], self.refs[sid]
 
+    def open_workspace(self) -> int:
+        """A row for a GPU kernel's workspace (OpClass.WORKSPACE, 0 bytes here), allocated now."""
+        row = len(self.nbytes)
+        self.nbytes.append(0)
+        self.itemsize.append(1)
+        self.op_class.append(OpClass.WORKSPACE)
+        self.alloc.append(self.num_events)
+        self.free.append(-1)
+        self.num_events += 1
+        return row
+
+    def close_workspace(self, row: int) -> None:
+        self.free[row] = self.num_events
+        self.num_events += 1
+
     def row(self, tensor, create: bool = True) -> int:
         """The row of `tensor`'s storage; a storage first seen here is allocated now."""
         st = tensor.untyped_storage()
@@ -225,6 +240,16 @@ def grouped_mm_flop(a, b, *args, out_val=None, **kwargs) -> int:
     return 2 * out_val.numel() * k
 
 
+# The fused attention backward kernels: the CPU one a trace runs for sdpa (and flash_attention_2,
+# traced as sdpa), and the GPU ones should a trace run them. On a GPU FlashAttention-2's backward
+# allocates an fp32 dq accumulator and, for grouped-query attention, K/V gradients expanded to
+# every head inside the call (launcher/memory/runtime.py `flash_attention_backward_bytes`).
+FUSED_ATTENTION_BACKWARD = ("_scaled_dot_product_flash_attention_for_cpu_backward",
+                            "_scaled_dot_product_flash_attention_backward",
+                            "_scaled_dot_product_efficient_attention_backward",
+                            "_flash_attention_backward", "_efficient_attention_backward")
+
+
 def _dispatch_mode(recorder: _Recorder):
     """A TorchDispatchMode that reports every output storage to `recorder` (with its element size
     and the OpClass of the op) and counts FLOPs."""
@@ -242,6 +267,7 @@ def _dispatch_mode(recorder: _Recorder):
         formulas[aten._grouped_mm] = grouped_mm_flop
     see, Tensor = recorder.see, torch.Tensor
     copy_ops = {getattr(aten, name) for name in COPY_OPS if hasattr(aten, name)}
+    workspace_ops = {getattr(aten, name) for name in FUSED_ATTENTION_BACKWARD if hasattr(aten, name)}
 
     class _Mode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -263,6 +289,10 @@ def _dispatch_mode(recorder: _Recorder):
                         see(t.untyped_storage(), t.element_size(), op_class)
             if recorder.derive and len(recorder.nbytes) > first:
                 _note_sources(recorder, first, out, args)
+            if func._overloadpacket in workspace_ops:
+                # a fused attention backward's GPU workspace, allocated after its outputs (above)
+                # and freed as the call returns
+                recorder.close_workspace(recorder.open_workspace())
             return out
 
     return _Mode()
@@ -963,7 +993,7 @@ def at_micro_batch(ta: StepTrace, tb: StepTrace, micro_batch_size: int) -> StepT
 
 # ----------------------------------------------------------------------------- cache
 
-_FORMAT_VERSION = 14  # the tracer's version: bump when the trace's content or file layout changes
+_FORMAT_VERSION = 15  # the tracer's version: bump when the trace's content or file layout changes
 _MEMO: dict[str, StepTrace] = {}
 _ROW_FIELDS = ("nbytes", "alloc", "free", "kind", "ready", "param", "itemsize", "op_class", "owner",
                "buffer_layer")

@@ -47,7 +47,7 @@ from dataclasses import replace
 from launcher.backends.base import LayoutSet
 from launcher.backends.registry import backend_of
 from launcher.lengths import VarlenRun
-from launcher.steptrace import TraceSet
+from launcher.steptrace import TraceSet, with_workspace
 from launcher.types import Cluster, MemoryEstimate, Strategy, Workload
 
 from launcher.memory import runtime
@@ -74,11 +74,22 @@ def estimate(traces: TraceSet, strategy: Strategy, workload: Workload, cluster: 
     with every rank's peak in `per_rank_peak_allocated_bytes` (by global rank, from the
     LayoutSet's groups) when ranks differ (ZeRO 1-2, pipeline stages).
     `knobs`: config group name -> its dataclass (the backend reads its own).
-    `attention_workspace_bytes`: a GPU attention kernel's backward workspace
-    (runtime.py `flash_attention_backward_bytes`), added to the backward peak on cuda.
+    `attention_workspace_bytes`: a GPU attention kernel's backward workspace per call
+    (runtime.py `flash_attention_backward_bytes`): on cuda, the size of the workspace rows the
+    trace holds around each fused attention backward (steptrace.py `with_workspace`), so it
+    counts only while a layer's attention backward runs and goes through the allocator replay;
+    added to the whole backward phase only for traces without such rows.
     `replay_memo` (replay.py `ReplayMemo`): allocator replay results kept on disk.
     `varlen` (launcher/lengths.py): on cuda, the cache is also replayed over micro-batches of
     varying length (replay.py `varlen_held_cache`) and the larger of the two is kept."""
+    per_call = None
+    if cluster.device == "cuda" and attention_workspace_bytes:
+        per_call = with_workspace(traces, attention_workspace_bytes)
+        if per_call is not None:
+            traces = per_call
+            if varlen is not None:
+                short = with_workspace(varlen.short_traces, varlen.attention_workspace_bytes)
+                varlen = replace(varlen, short_traces=short) if short is not None else varlen
     ls = layout_set(traces, strategy, workload, knobs, dp_size, cluster.device)
     short = None
     if varlen is not None and cluster.device == "cuda":
@@ -88,9 +99,10 @@ def estimate(traces: TraceSet, strategy: Strategy, workload: Workload, cluster: 
     if varlen is not None and cluster.device == "cuda" and short is None:
         notes += (VARLEN_MISMATCH_NOTE.format(profile=varlen.profile, short=varlen.short.seq_len),)
     if cluster.device == "cuda" and attention_workspace_bytes:
-        extra = {**extra, "backward": dict(extra.get("backward", {}))}
-        extra["backward"]["buffers"] = extra["backward"].get("buffers", 0) + attention_workspace_bytes
-        notes = notes + (FLASH_NOTE,)
+        if per_call is None:  # no fused attention backward in the trace: at the backward peak
+            extra = {**extra, "backward": dict(extra.get("backward", {}))}
+            extra["backward"]["buffers"] = extra["backward"].get("buffers", 0) + attention_workspace_bytes
+        notes = notes + (FLASH_NOTE if per_call is not None else FLASH_PHASE_NOTE,)
     communicators = backend_of(strategy).communicators(strategy, dp_size)
     nccl = runtime.communicators_bytes(communicators)
     if cluster.device == "cuda" and nccl:
@@ -231,7 +243,11 @@ VARLEN_MISMATCH_NOTE = ("variable-length batches (training.length_profile={profi
                         "tokens allocates other storages than at the peak length, so the cache is replayed "
                         "at the peak length only.")
 FLASH_NOTE = ("GPU flash attention backward: its fp32 dq accumulator and, with grouped-query attention, "
-              "K/V gradients expanded to every head (flash_api.cpp mha_bwd) are added to the backward peak.")
+              "K/V gradients expanded to every head (flash_api.cpp mha_bwd) are allocated inside each layer's "
+              "attention backward, after its gradients, and freed as it returns.")
+FLASH_PHASE_NOTE = ("GPU flash attention backward: its fp32 dq accumulator and, with grouped-query attention, "
+                    "K/V gradients expanded to every head (flash_api.cpp mha_bwd) are added to the backward "
+                    "peak (the traced step ran attention as separate ops).")
 NVLS_NOTE = ("NCCL {version} with NVLink SHARP (hardware.nvls): {mib:.0f} MiB of multicast buffers per rank "
              "over its communicators of more than 2 GPUs of a node, outside the allocator (nccl "
              "src/transport/nvls.cc; launcher/memory/runtime.py nvls_bytes).")

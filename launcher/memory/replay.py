@@ -52,10 +52,12 @@ class Items:
 def _items(layout: Layout) -> Items:
     """Every device storage of a layout (`Items`), but the traced rows freed before the forward
     starts: temporaries of the model's construction (a GPTQ stand-in's dropped 16-bit weights,
-    trace.py `gptq_stand_in`) that a run loading its checkpoint never has on the device."""
+    trace.py `gptq_stand_in`) that a run loading its checkpoint never has on the device; and but
+    empty rows (a kernel workspace a CPU or non-flash estimate leaves at 0 bytes, steptrace.py
+    `with_workspace`), which the allocator never sees."""
     t = layout.trace
     built = layout.phases["forward"][0]
-    rows = (layout.mask & ~(layout.free <= built)).nonzero()[0]
+    rows = (layout.mask & ~(layout.free <= built) & (t.nbytes > 0)).nonzero()[0]
     terms = [(j, term) for j, term in enumerate(layout.terms) if not term.host]
     column = lambda rows_part, f: np.concatenate(  # noqa: E731
         [np.asarray(rows_part, np.int64), np.array([f(term) for _, term in terms], np.int64)])
