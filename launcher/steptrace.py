@@ -35,7 +35,7 @@ class OpClass(IntEnum):
     ELEMENTWISE = 0  # arithmetic on each element (add, mul, exp, norms, softmax...)
     COPY = 1  # moves or fills memory without arithmetic (casts, copies, cat, gathers, zeros)
     FLOP = 2  # has a FLOP formula (matmul, attention): timed by the FLOP term
-    # not a storage of the traced step: a GPU kernel's own workspace, recorded with 0 bytes around
+    # not a storage of the traced step: a GPU kernel's own workspace, recorded with 0 bytes at
     # each fused attention backward (trace.py `_dispatch_mode`); its size is the GPU estimate's
     # (`with_workspace`); not an op of its own for the host terms
     WORKSPACE = 3
@@ -188,8 +188,8 @@ class TraceSet:
 def with_workspace(traces: TraceSet, nbytes: int) -> TraceSet | None:
     """`traces` with each fused attention backward's workspace rows (OpClass.WORKSPACE, traced
     with 0 bytes) at `nbytes`, the workspace one call allocates on a GPU (launcher/memory/runtime.py
-    `flash_attention_backward_bytes`): alive from before the call's outputs to its return, one
-    layer at a time, as the allocator sees them. None when a trace records no such call (an
+    `flash_attention_backward_bytes`): allocated after the call's outputs and freed as it
+    returns, one layer at a time, as the allocator sees them. None when a trace records no such call (an
     attention that ran as separate ops)."""
     out = []
     for t in (traces.depth1, traces.depth2):

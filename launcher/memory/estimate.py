@@ -88,8 +88,8 @@ def estimate(traces: TraceSet, strategy: Strategy, workload: Workload, cluster: 
         if per_call is not None:
             traces = per_call
             if varlen is not None:
-                short = with_workspace(varlen.short_traces, varlen.attention_workspace_bytes)
-                varlen = replace(varlen, short_traces=short) if short is not None else varlen
+                short_ws = with_workspace(varlen.short_traces, varlen.attention_workspace_bytes)
+                varlen = replace(varlen, short_traces=short_ws) if short_ws is not None else varlen
     ls = layout_set(traces, strategy, workload, knobs, dp_size, cluster.device)
     short = None
     if varlen is not None and cluster.device == "cuda":

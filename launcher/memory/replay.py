@@ -50,10 +50,10 @@ class Items:
 
 
 def _items(layout: Layout) -> Items:
-    """Every device storage of a layout (`Items`), but the traced rows freed before the forward
-    starts: temporaries of the model's construction (a GPTQ stand-in's dropped 16-bit weights,
-    trace.py `gptq_stand_in`) that a run loading its checkpoint never has on the device; and but
-    empty rows (a kernel workspace a CPU or non-flash estimate leaves at 0 bytes, steptrace.py
+    """Every device storage of a layout (`Items`), except the traced rows freed before the
+    forward starts (temporaries of the model's construction, a GPTQ stand-in's dropped 16-bit
+    weights, trace.py `gptq_stand_in`, that a run loading its checkpoint never has on the device)
+    and the empty rows (a kernel workspace an estimate without it leaves at 0 bytes, steptrace.py
     `with_workspace`), which the allocator never sees."""
     t = layout.trace
     built = layout.phases["forward"][0]

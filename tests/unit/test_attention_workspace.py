@@ -87,3 +87,26 @@ def _without_workspace_rows(t):
 
     keep = t.op_class != OpClass.WORKSPACE
     return dataclasses.replace(t, op_class=np.where(keep, t.op_class, OpClass.ELEMENTWISE).astype(np.int8))
+
+
+def test_a_run_of_varying_lengths_gives_its_shorter_step_its_own_workspace(traces, tmp_path):
+    """With a length profile the allocator also replays batches of varying length, sizes
+    interpolated per storage between the step at the peak length and one at half of it: the
+    shorter step's workspace rows take the workspace of its length, so the two steps still hold
+    the same storages (no mismatch note) and the replay runs."""
+    import dataclasses
+
+    from launcher.lengths import VarlenRun
+    from launcher.memory.estimate import VARLEN_MISMATCH_NOTE
+
+    short_wl = dataclasses.replace(WL, seq_len=S // 2)
+    key = tr.TraceKey(json.dumps(CONFIG, sort_keys=True), 3, B, S // 2, attn_implementation="sdpa",
+                      **trace_request(SINGLE, short_wl))
+    short = tr.trace_set(key, 3, cache_dir=tmp_path)
+    run = VarlenRun(short, short_wl, (S // 2, S, S // 2, S), "test",
+                    flash_attention_backward_bytes(B, S // 2, 4, 2, 16))
+    est = estimate(traces, SINGLE, WL, GPU, knobs(ddp=DDPConfig()), 1,
+                   flash_attention_backward_bytes(B, S, 4, 2, 16), varlen=run)
+    mismatch = VARLEN_MISMATCH_NOTE.split("{short}")[1]  # " tokens allocates other storages..."
+    assert FLASH_NOTE in est.notes and not any(mismatch in n for n in est.notes)
+    assert any(n.startswith("variable-length batches") and "4 micro-batches" in n for n in est.notes)
