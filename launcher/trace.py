@@ -206,20 +206,15 @@ class _Recorder:
         self.num_events += 1
         del self.row_of[sid], self.refs[sid]
 
-    def open_workspace(self) -> int:
-        """A row for a GPU kernel's workspace (OpClass.WORKSPACE, 0 bytes here), allocated now."""
-        row = len(self.nbytes)
+    def workspace(self) -> None:
+        """A row for a GPU kernel's workspace (OpClass.WORKSPACE, 0 bytes here): allocated now,
+        freed at the next event."""
         self.nbytes.append(0)
         self.itemsize.append(1)
         self.op_class.append(OpClass.WORKSPACE)
         self.alloc.append(self.num_events)
-        self.free.append(-1)
-        self.num_events += 1
-        return row
-
-    def close_workspace(self, row: int) -> None:
-        self.free[row] = self.num_events
-        self.num_events += 1
+        self.free.append(self.num_events + 1)
+        self.num_events += 2
 
     def row(self, tensor, create: bool = True) -> int:
         """The row of `tensor`'s storage; a storage first seen here is allocated now."""
@@ -292,7 +287,7 @@ def _dispatch_mode(recorder: _Recorder):
             if func._overloadpacket in workspace_ops:
                 # a fused attention backward's GPU workspace, allocated after its outputs (above)
                 # and freed as the call returns
-                recorder.close_workspace(recorder.open_workspace())
+                recorder.workspace()
             return out
 
     return _Mode()
