@@ -76,7 +76,7 @@ def estimate(traces: TraceSet, strategy: Strategy, workload: Workload, cluster: 
     `knobs`: config group name -> its dataclass (the backend reads its own).
     `attention_workspace_bytes`: a GPU attention kernel's backward workspace per call
     (runtime.py `flash_attention_backward_bytes`): on cuda, the size of the workspace rows the
-    trace holds around each fused attention backward (steptrace.py `with_workspace`), so it
+    trace holds after each fused attention backward's outputs (steptrace.py `with_workspace`), so it
     counts only while a layer's attention backward runs and goes through the allocator replay;
     added to the whole backward phase only for traces without such rows.
     `replay_memo` (replay.py `ReplayMemo`): allocator replay results kept on disk.
