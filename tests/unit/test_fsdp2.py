@@ -175,6 +175,9 @@ def test_plan_json_fields():
     assert plan["mp_policy"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
     assert plan["tp_plan"]["layer_plan"]["self_attn.o_proj"] == "rowwise"
     assert plan_config(STRATEGIES["fsdp2_grad_op"], "32-true", 2)["reshard_after_forward"] is False
+    # torchtitan's policy: every block but the last reshards after forward
+    full = plan_config(STRATEGIES["fsdp2"], "bf16-mixed", 2)
+    assert full["reshard_after_forward"] is True and full["last_block_reshard_after_forward"] is False
 
 
 def test_rules_name_the_problem():

@@ -21,8 +21,10 @@ def as_fsdp2(strategy: Strategy) -> Strategy:
 
 
 def comm(x: CommInput) -> tuple:
-    return fsdp2_comm.comm(replace(x, strategy=as_fsdp2(x.strategy)))
+    """FULL_SHARD reshards every block after forward, the last one too (only the root is kept:
+    _runtime_utils.py "Do not free the root's parameters in the post-forward for FULL_SHARD")."""
+    return fsdp2_comm.comm(replace(x, strategy=as_fsdp2(x.strategy)), keep_last=False)
 
 
 def host_equivalent(x: CommInput) -> HostEquivalent:
-    return fsdp2_comm.host_equivalent(replace(x, strategy=as_fsdp2(x.strategy)))
+    return fsdp2_comm.host_equivalent(replace(x, strategy=as_fsdp2(x.strategy)), keep_last=False)

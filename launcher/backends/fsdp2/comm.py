@@ -3,8 +3,9 @@ comm term, in the style of launcher/speed.py `_zero3_comm`).
 
 Per micro-batch, every `fully_shard` group (each decoder block, and the root):
 - all-gathers its parameters in forward (world x padded shard numel in the param dtype:
-  _fsdp_collectives.py `foreach_all_gather`), and again in backward when
-  `reshard_after_forward=True` (the backward prefetch, `_backward_prefetch`);
+  _fsdp_collectives.py `foreach_all_gather`), and again in backward when it resharded after
+  forward (the backward prefetch, `_backward_prefetch`): with `reshard_after_forward=True` every
+  block but the last (rules.py `keep_last_block`), never the root (`_lazy_init`);
 - reduce-scatters its gradients in backward (`foreach_reduce`, in the reduce dtype), every
   micro-batch (FSDP2's default, the worker's).
 Ring volumes: (n-1)/n x bytes for all-gather and reduce-scatter (launcher/speed.py `ring_time_s`;
@@ -33,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from launcher.backends.base import CommInput, HostEquivalent, default_group
-from launcher.backends.fsdp2.rules import mixed_precision, model_dtype, reshard_after_forward
+from launcher.backends.fsdp2.rules import keep_last_block, mixed_precision, model_dtype, reshard_after_forward
 from launcher.collectives import bus_bandwidth_gbps, ring_time_s, tp_comm_s
 from launcher.host_time import _call_s, bus_gbps, torch_ddp
 from launcher.memory.common import DTYPE_BYTES
@@ -55,10 +56,12 @@ def comm_bytes(precision: str) -> tuple[int, int]:
 
 def fsdp2_comm(strategy: Strategy, cluster, *, num_params: int, num_trainable_params: int, num_layers: int,
                dp: int, accum: int, forward_s: float, backward_s: float, param_bytes: int,
-               reduce_bytes: int) -> FSDP2Comm:
+               reduce_bytes: int, keep_last: bool = True) -> FSDP2Comm:
     """(raw, exposed) seconds per optimizer step of FSDP2's all-gathers and reduce-scatters over
     `dp` ranks. `forward_s`/`backward_s`: one micro-batch's compute; parameters split evenly over
-    the `num_layers` blocks (the root's embeddings and head count as one more group)."""
+    the `num_layers` blocks (the root's embeddings and head count as one more group).
+    `keep_last`: the last block follows `keep_last_block` (FSDP2's policy here), else reshards
+    like the others (FSDP1's FULL_SHARD)."""
     if dp <= 1:
         return FSDP2Comm(0.0, 0.0)
     bus = bus_bandwidth_gbps(cluster)
@@ -66,18 +69,26 @@ def fsdp2_comm(strategy: Strategy, cluster, *, num_params: int, num_trainable_pa
     latency = cluster.collective_latency_s
     gather_block = ring_time_s(num_params / groups * param_bytes, dp, bus, "all_gather") + latency
     scatter_block = ring_time_s(num_trainable_params / groups * reduce_bytes, dp, bus, "reduce_scatter") + latency
-    backward_gathers = groups if reshard_after_forward(strategy) else 0
+    backward_gathers = resharded_blocks(strategy, num_layers, keep_last)
     raw = (groups * gather_block + backward_gathers * gather_block + groups * scatter_block) * accum
     if cluster.device == "cpu":
         return FSDP2Comm(raw, raw)
     fwd_block, bwd_block = forward_s / groups, backward_s / groups
     bwd_gather = gather_block if backward_gathers else 0.0
+    first_gather = gather_block if backward_gathers == num_layers else 0.0  # a kept last block: none
     exposed_forward = gather_block + (groups - 1) * max(0.0, gather_block - fwd_block)
-    exposed_backward = bwd_gather + (groups - 1) * max(0.0, bwd_gather + scatter_block - bwd_block) + scatter_block
+    exposed_backward = first_gather + (groups - 1) * max(0.0, bwd_gather + scatter_block - bwd_block) + scatter_block
     return FSDP2Comm(raw, (exposed_forward + exposed_backward) * accum)
 
 
-def comm(x: CommInput) -> tuple:
+def resharded_blocks(strategy: Strategy, num_layers: int, keep_last: bool = True) -> int:
+    """Groups all-gathered again in backward per micro-batch (module docstring)."""
+    if not reshard_after_forward(strategy):
+        return 0
+    return max(0, num_layers - (keep_last and keep_last_block(strategy)))
+
+
+def comm(x: CommInput, keep_last: bool = True) -> tuple:
     """(compute_s, raw comm_s, exposed comm_s, bytes per gradient element) for launcher/speed.py:
     FSDP2's collectives over the dp ranks (`fsdp2_comm`; with tp > 1 the parameter counts are
     the traced shard's) plus the tensor-parallel all-reduces (not overlapped)."""
@@ -85,20 +96,21 @@ def comm(x: CommInput) -> tuple:
     layers = x.spec.num_layers if x.spec is not None else 1
     c = fsdp2_comm(x.strategy, x.cluster, num_params=x.num_params, num_trainable_params=x.trainable,
                    num_layers=layers, dp=x.dp, accum=x.accum, forward_s=x.forward_s, backward_s=x.backward_s,
-                   param_bytes=cb, reduce_bytes=rb)
+                   param_bytes=cb, reduce_bytes=rb, keep_last=keep_last)
     tp_s = tp_comm_s(x.strategy, x.workload, x.cluster, x.spec, x.accum, cb)
     return x.compute_s, c.raw_s + tp_s, c.exposed_s + tp_s, rb
 
 
-def host_equivalent(x: CommInput) -> HostEquivalent:
+def host_equivalent(x: CommInput, keep_last: bool = True) -> HostEquivalent:
     """torch DDP's host terms (DDP's default 25 MiB buckets: the ddp group's settings are DDP's own)
-    plus FSDP2's all-gathers (one per group and micro-batch, twice with
-    reshard_after_forward) and the tensor-parallel all-reduces (module docstring)."""
+    plus FSDP2's all-gathers (one per group and micro-batch, and one more per block resharded
+    after forward) and the tensor-parallel all-reduces (module docstring)."""
     cb, _ = comm_bytes(x.workload.precision)
     groups = (x.spec.num_layers if x.spec is not None else 1) + 1
-    passes = 2 if reshard_after_forward(x.strategy) else 1
-    gathered = passes * x.accum * x.num_params * cb
-    calls = passes * x.accum * groups
+    layers = x.spec.num_layers if x.spec is not None else 1
+    again = resharded_blocks(x.strategy, layers, keep_last) / groups  # the share gathered again in backward
+    gathered = (1 + again) * x.accum * x.num_params * cb
+    calls = (groups + resharded_blocks(x.strategy, layers, keep_last)) * x.accum
     extra = tp_comm_s(x.strategy, x.workload, x.cluster, x.spec, x.accum, cb)
     if x.dp > 1:
         ring = (x.dp - 1) / x.dp

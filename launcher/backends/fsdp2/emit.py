@@ -2,14 +2,17 @@
 
 - `plan_config`: the sharding and parallelize plan as JSON (`fsdp2_plan.json`, also run.json's
   `framework_config`, which the worker applies as written: worker.py): the DeviceMesh, which
-  modules `fully_shard` wraps, `reshard_after_forward`, the `MixedPrecisionPolicy`, CPU offload
+  modules `fully_shard` wraps, `reshard_after_forward` (the last block's apart: rules.py
+  `keep_last_block`), the `MixedPrecisionPolicy`, CPU offload
   and, with tp > 1, the `parallelize_module` plan (tp_plan.py).
 - `accelerate_config`: Accelerate's `ClusterConfig` for `accelerate launch --config_file`
   with `distributed_type: FSDP` and `fsdp_version: 2` (accelerate/utils/dataclasses.py
   `FullyShardedDataParallelPlugin`; keys under `fsdp_config` are its fields with the `fsdp_`
   prefix accelerate/commands/launch.py adds); tensor parallelism as its `parallelism_config`
   (`parallelism_config_dp_shard_size`, `parallelism_config_tp_size`, the `accelerate launch`
-  arguments of the same names).
+  arguments of the same names). Accelerate applies one `reshard_after_forward` to every block, so
+  under it the last block reshards too: one block's unsharded parameters less through the LM head
+  and the loss than the plan's (rules.py `keep_last_block`), one all-gather more.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from launcher.backends.base import Exported, export_candidate
 from launcher.types import Strategy
 
 from . import tp_plan
-from .rules import mixed_precision, reshard_after_forward
+from .rules import keep_last_block, mixed_precision, reshard_after_forward
 
 PLAN_FILE = "fsdp2_plan.json"
 ACCELERATE_MIXED = {"bf16-mixed": "bf16"}
@@ -32,6 +35,7 @@ def plan_config(strategy: Strategy, precision: str, num_processes: int) -> dict:
         "mesh": {"dp": num_processes // tp, "tp": tp} if tp > 1 else {"dp": num_processes},
         "fully_shard": ["model.layers.*", "<root>"],
         "reshard_after_forward": reshard_after_forward(strategy),
+        "last_block_reshard_after_forward": reshard_after_forward(strategy) and not keep_last_block(strategy),
         "root_reshard_after_forward": None,  # FSDP2's default for the root: keep it unsharded
         "mp_policy": mixed_precision(precision),
         "cpu_offload": strategy.offload_params,

@@ -23,7 +23,10 @@ autograd allocates them are kept; its parameters are replaced by FSDP2's storage
   (`_backward_prefetch`: `unshard` only, its copy-out at that block's own pre-backward);
 - unsharded parameters are freed after the block's forward (`reshard_after_forward=True`) or after
   its backward; the root's stay unsharded from forward to the end of backward (`_lazy_init`: the
-  root does not reshard after forward);
+  root does not reshard after forward), and so do the last block's under torchtitan's policy
+  (rules.py `keep_last_block`): the root's pre-backward prefetch of it and its own pre-backward
+  unshard are then no-ops (`FSDPParamGroup.unshard` returns when `is_unsharded`), and its
+  pre-backward still prefetches the block before it;
 - per group post-backward (`FSDPParamGroup.post_backward`, `foreach_reduce`): reshard, free the
   previous group's reduce-scatter input (`reduce_scatter_max_input_buffers` = 1), allocate this
   group's reduce-scatter input (world x padded shard numel, reduce dtype), free the unsharded
@@ -62,7 +65,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from launcher.backends.base import LayoutSet
-from launcher.backends.fsdp2.rules import mixed_precision, model_dtype, reshard_after_forward
+from launcher.backends.fsdp2.rules import keep_last_block, mixed_precision, model_dtype, reshard_after_forward
 from launcher.memory.common import (DTYPE_BYTES, Init, InitUnit, Layout, distinct_params, four_bit_params,
                                     grad_ready_order, optimizer_state_numel_factor, optimizer_step_scalar_bytes,
                                     optimizer_step_temp_numel)
@@ -79,6 +82,7 @@ class FSDP2Setup:
     world: int  # ranks of the FSDP (dp) mesh dimension
     rank: int  # this rank's index on it
     reshard_after_forward: bool
+    keep_last: bool  # the last block does not reshard after forward (rules.py `keep_last_block`)
     compute_bytes: int  # bytes per element of the unsharded parameters (param_dtype or model dtype)
     shard_bytes: int  # bytes per element of sharded parameters and optimizer states (at least; `own_bytes`)
     reduce_bytes: int  # bytes per element of the reduce-scatter buffers and sharded gradients; 0: own dtype
@@ -295,6 +299,7 @@ def fsdp2_layout(trace: StepTrace, s: FSDP2Setup) -> FSDP2Layout:
     lay.drop(Kind.PARAM)
     cb, sb = s.compute_bytes, s.shard_bytes
     unsharded = lambda g: W * g.gather_bytes  # noqa: E731
+    kept = lambda l: s.reshard_after_forward and s.keep_last and l == n - 1  # noqa: E731
     ag_out = lambda g: W * g.gather_bytes if W > 1 else 0  # noqa: E731
 
     def cast_temp(g) -> int:
@@ -345,21 +350,23 @@ def fsdp2_layout(trace: StepTrace, s: FSDP2Setup) -> FSDP2Layout:
         lay.add("cast_copy", "buffers", cast_temp(g), a0, a1, stream=AG_STREAM)
         ag_end = held(F[l + 1]) if l + 1 < n else lay.start(bs)
         lay.add("all_gather_output", "buffers", ag_out(g), a0, ag_end, stream=AG_STREAM)
-        end = lay.start(F[l + 1]) if s.reshard_after_forward else lay.at(B[l], 0)
+        end = lay.start(F[l + 1]) if s.reshard_after_forward and not kept(l) else lay.at(B[l], 0)
         lay.add("unsharded_params", "parameters", unsharded(g), a1, end)
 
     # backward
     if s.reshard_after_forward and n:
-        # root pre-backward: prefetch the last block (unshard only)
-        lay.add("cast_copy", "buffers", cast_temp(blocks[-1]), lay.at(bs, 0), lay.at(bs, 1), stream=AG_STREAM)
+        # root pre-backward: prefetch the last block (unshard only; a no-op when it was kept)
+        if not kept(n - 1):
+            lay.add("cast_copy", "buffers", cast_temp(blocks[-1]), lay.at(bs, 0), lay.at(bs, 1), stream=AG_STREAM)
         prefetched_at = lay.at(bs, 0)
         for l in range(n - 1, -1, -1):
             g = blocks[l]
             pre = B[l + 1]  # this block's pre-backward moment
             k = 0 if l == n - 1 else POST  # after block l+1's post-backward steps at the same event
             copy_out, after_copy = lay.at(pre, k), lay.at(pre, k + 1)
-            lay.add("all_gather_output", "buffers", ag_out(g), prefetched_at, after_copy, stream=AG_STREAM)
-            lay.add("unsharded_params", "parameters", unsharded(g), copy_out, lay.at(B[l], 0))
+            if not kept(l):  # a kept block is still unsharded from its forward
+                lay.add("all_gather_output", "buffers", ag_out(g), prefetched_at, after_copy, stream=AG_STREAM)
+                lay.add("unsharded_params", "parameters", unsharded(g), copy_out, lay.at(B[l], 0))
             if l > 0:  # prefetch block l-1
                 h = blocks[l - 1]
                 lay.add("cast_copy", "buffers", cast_temp(h), after_copy, after_copy + 1, stream=AG_STREAM)
@@ -488,6 +495,7 @@ def setup(strategy: Strategy, workload, dp: int, rank: int, frozen_bytes: int = 
     shard = model_dtype(workload.precision)
     compute = mp["param_dtype"] or shard
     return FSDP2Setup(world=dp, rank=rank, reshard_after_forward=reshard_after_forward(strategy),
+                      keep_last=keep_last_block(strategy),
                       compute_bytes=DTYPE_BYTES[compute], shard_bytes=DTYPE_BYTES[shard],
                       reduce_bytes=DTYPE_BYTES[mp["reduce_dtype"] or mp["param_dtype"]] if mp["param_dtype"] else 0,
                       cast=compute != shard,

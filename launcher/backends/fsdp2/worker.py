@@ -10,7 +10,8 @@ What runs (the emitted plan JSON, emit.py `plan_config`, is `spec.framework_conf
   `init_device_mesh`), on "cpu" with gloo or "cuda" with NCCL;
 - with tp > 1, `parallelize_module` per the plan (tp_plan.py), then FSDP over the "dp" dimension;
 - `fully_shard(block, mesh, reshard_after_forward, mp_policy, offload_policy)` for every decoder
-  block, then for the root (embeddings, final norm, LM head), as torchtitan's `apply_fsdp`;
+  block (the last one with its own `reshard_after_forward`), then for the root (embeddings, final
+  norm, LM head), as torchtitan's `apply_fsdp`;
 - gradient accumulation as FSDP2 does by default and torchtitan runs it: every micro-batch
   reduce-scatters and adds into the sharded gradients (_fsdp_collectives.py `foreach_reduce`), so
   no unsharded gradient outlives its block's backward (what the memory layout assumes);
@@ -151,8 +152,10 @@ class FSDP2Backend:
                                                      reduce_dtype=_dtype(mp.get("reduce_dtype"))),
                       offload_policy=CPUOffloadPolicy() if config.get("cpu_offload") else OffloadPolicy())
         reshard = bool(config.get("reshard_after_forward", True))
-        for block in tp_plan.decoder_layers(model):
-            fully_shard(block, reshard_after_forward=reshard, **kwargs)
+        last = bool(config.get("last_block_reshard_after_forward", reshard))
+        blocks = tp_plan.decoder_layers(model)
+        for i, block in enumerate(blocks):  # torchtitan's policy for the last block (rules.py `keep_last_block`)
+            fully_shard(block, reshard_after_forward=last if i == len(blocks) - 1 else reshard, **kwargs)
         # the root: reshard_after_forward=None, FSDP2's default, which keeps the root's
         # parameters unsharded after forward (_fsdp_state.py `_lazy_init`: "For the root, do not
         # reshard after forward"): the LM head is the first module of backward
