@@ -36,6 +36,11 @@ def model_spec(config: LauncherConfig):
     if config.training.liger_kernel and not liger.supported(spec.model_type):
         raise ConfigError(f"training.liger_kernel: Liger's kernels are modelled for {', '.join(liger.FAMILIES)} "
                           f"models, not {spec.model_type}; use training.liger_kernel=false")
+    if config.training.liger_kernel:
+        try:
+            liger.trace_name(config.training.liger_kernels)
+        except ValueError as e:
+            raise ConfigError(f"training.liger_kernels: {e}; e.g. training.liger_kernels=[rope,fused_linear_cross_entropy]")
     return spec
 
 

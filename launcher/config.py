@@ -233,6 +233,14 @@ class TrainingConfig:
     """Liger-Kernel's Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy that never
     materialises the logits), as HF Trainer's use_liger_kernel applies them; llama, mistral and
     qwen2 models, GPUs with the liger-kernel package (launcher/liger.py)."""
+    liger_kernels: List[str] = field(default_factory=lambda: ["rope", "rms_norm", "swiglu",
+                                                              "fused_linear_cross_entropy"])
+    """Which of Liger's kernels training.liger_kernel applies: the switches of Liger's
+    `apply_liger_kernel_to_<family>(rope, rms_norm, swiglu, fused_linear_cross_entropy)`. A script
+    that calls `apply_liger_kernel_to_<family>()` after the model is built gets [rope,
+    fused_linear_cross_entropy] only: the function swaps the modeling module's RMSNorm and MLP
+    classes, which the built modules do not see, while RoPE (a module function) and the LM head's
+    forward (a class method) are looked up at call time (Liger 03fd603 monkey_patch.py)."""
     causal_lm_loss: CausalLmLoss = CausalLmLoss["model"]  # type: ignore[valid-type]
     """The causal-LM loss path: model = the installed transformers' (its ForCausalLMLoss upcasts the
     logits to fp32 inside the loss); fp32_shift_copy = transformers 4.37-4.45's causal-LM forwards

@@ -68,7 +68,8 @@ def run_spec(c: Candidate, config: LauncherConfig, spec: ModelSpec, run_dir: Pat
         attn_implementation=registry.backend_of(c.strategy).attention_of(
             c.strategy, spec.model_type, effective_attention(spec, t.attn_implementation.name)[0]),
         gradient_checkpointing=t.gradient_checkpointing or c.gradient_checkpointing,
-        checkpoint_policy=t.checkpoint_policy.name, liger_kernel=t.liger_kernel, peft=c.peft or {},
+        checkpoint_policy=t.checkpoint_policy.name, liger_kernel=t.liger_kernel,
+        liger_kernels=tuple(t.liger_kernels), peft=c.peft or {},
         seq_len=t.seq_len, micro_batch_size=c.micro_batch_size, grad_accum_steps=c.grad_accum_steps,
         max_steps=t.max_steps, learning_rate=t.learning_rate, weight_decay=t.weight_decay,
         sgd_momentum=t.sgd_momentum, max_grad_norm=t.max_grad_norm, optimizer_in_backward=t.optimizer_in_backward,

@@ -31,6 +31,7 @@ import contextlib
 import importlib
 
 FAMILIES = ("llama", "mistral", "qwen2")  # Liger 03fd603 monkey_patch.py: these share modules
+KERNELS = ("rope", "rms_norm", "swiglu", "fused_linear_cross_entropy")  # apply_liger_kernel_to_*'s switches
 _ROWS = 256  # rows per block where a Triton kernel would work row by row in registers
 IGNORE_INDEX = -100
 
@@ -182,11 +183,38 @@ def supported(model_type: str) -> bool:
     return model_type in FAMILIES
 
 
+def trace_name(kernels) -> str:
+    """The trace key's `kernels` value of a set of Liger's kernels: 'liger' for all of them, else
+    'liger:' and the applied ones in KERNELS order."""
+    unknown = sorted(set(kernels) - set(KERNELS))
+    if unknown:
+        raise ValueError(f"unknown Liger kernels {unknown}; valid: {', '.join(KERNELS)}")
+    if not kernels:
+        raise ValueError("no Liger kernel named")
+    if set(kernels) == set(KERNELS):
+        return "liger"
+    return "liger:" + ",".join(k for k in KERNELS if k in kernels)
+
+
+def parse(name: str) -> frozenset:
+    """The Liger kernels of a trace key's `kernels` value (`trace_name`); empty for 'torch'."""
+    if name == "liger":
+        return frozenset(KERNELS)
+    if name.startswith("liger:"):
+        parts = name[len("liger:"):].split(",")
+        trace_name(parts)  # checks them
+        return frozenset(parts)
+    if name != "torch":
+        raise ValueError(f"kernels={name!r}: 'torch', 'liger' or 'liger:<kernel>,...'")
+    return frozenset()
+
+
 @contextlib.contextmanager
-def applied(model):
-    """Run `model` (a transformers causal LM of FAMILIES) with the Liger stand-ins: its RMSNorm
-    modules, MLPs and causal-LM forward are replaced on the instance; the modeling module's
-    `apply_rotary_pos_emb` is replaced while the context is open (forward and backward)."""
+def applied(model, kernels=KERNELS):
+    """Run `model` (a transformers causal LM of FAMILIES) with the Liger stand-ins of `kernels`
+    (KERNELS): its RMSNorm modules, MLPs and causal-LM forward are replaced on the instance; the
+    modeling module's `apply_rotary_pos_emb` is replaced while the context is open (forward and
+    backward)."""
     from unittest import mock  # imports asyncio: only where a step is traced
 
     from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -196,10 +224,10 @@ def applied(model):
     if not supported(model_type):
         raise ValueError(f"Liger kernels are modelled for {', '.join(FAMILIES)}, not {model_type}")
     for m in model.modules():
-        if type(m).__name__.endswith("RMSNorm"):
+        if type(m).__name__.endswith("RMSNorm") and "rms_norm" in kernels:
             eps = getattr(m, "variance_epsilon", getattr(m, "eps", 1e-6))
             m.forward = (lambda mod, e: lambda h: RMSNorm.apply(h, mod.weight, e))(m, eps)
-        elif all(hasattr(m, n) for n in ("gate_proj", "up_proj", "down_proj")):
+        elif all(hasattr(m, n) for n in ("gate_proj", "up_proj", "down_proj")) and "swiglu" in kernels:
             m.forward = (lambda mod: lambda x: mod.down_proj(SiLUMul.apply(mod.gate_proj(x), mod.up_proj(x))))(m)
     hidden = model.config.hidden_size
 
@@ -210,8 +238,12 @@ def applied(model):
         shift_labels = labels[..., 1:].contiguous().view(-1)
         return CausalLMOutputWithPast(loss=FLCE.apply(shift_hidden, model.lm_head.weight, shift_labels))
 
-    model.forward = lce_forward
+    if "fused_linear_cross_entropy" in kernels:
+        model.forward = lce_forward
     modeling = importlib.import_module(type(model).__module__)
+    if "rope" not in kernels:
+        yield model
+        return
 
     def rope(q, k, cos, sin, *args, unsqueeze_dim=1, **kwargs):
         return Rope.apply(q, cos, sin), Rope.apply(k, cos, sin)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from launcher import host_time, lengths, speed, trace
+from launcher import host_time, lengths, liger, speed, trace
 from launcher.backends import registry
 from launcher.backends.base import Ask, peft_kind
 from launcher.backends.registry import backend_of
@@ -110,7 +110,7 @@ def workload(config: LauncherConfig, spec: ModelSpec, micro: int) -> Workload:
     return Workload(seq_len=seq_len, micro_batch_size=micro, precision=t.precision.name,
                     optimizer=t.optimizer.name, gradient_checkpointing=t.gradient_checkpointing,
                     attn_implementation=effective_attention(spec, t.attn_implementation.name)[0],
-                    checkpoint_policy=t.checkpoint_policy.name, kernels="liger" if t.liger_kernel else "torch",
+                    checkpoint_policy=t.checkpoint_policy.name, kernels=liger.trace_name(t.liger_kernels) if t.liger_kernel else "torch",
                     causal_lm_loss=t.causal_lm_loss.name, optimizer_in_backward=t.optimizer_in_backward,
                     zero_grad_set_to_none=t.zero_grad_set_to_none,
                     sgd_momentum=float(t.sgd_momentum), built_on_device=t.built_on_device,

@@ -29,6 +29,7 @@ class RunSpec:
     gradient_checkpointing: bool = False
     checkpoint_policy: str = "full"
     liger_kernel: bool = False
+    liger_kernels: tuple = ()  # those of Liger's kernels to apply (launcher/liger.py KERNELS); () = all
     seq_len: int = 128
     micro_batch_size: int = 1
     grad_accum_steps: int = 1

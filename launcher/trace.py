@@ -80,7 +80,7 @@ class TraceKey:
     attn_implementation: str = "sdpa"  # eager | sdpa | flash_attention_2 (traced as sdpa)
     gradient_checkpointing: bool = False
     checkpoint_policy: str = "full"  # with gradient_checkpointing: launcher/checkpointing.py POLICIES
-    kernels: str = "torch"  # torch | liger: Liger's Triton kernels, traced as launcher/liger.py's stand-ins
+    kernels: str = "torch"  # torch | liger | liger:<kernel>,...: Liger's Triton kernels (all, or those named), traced as launcher/liger.py's stand-ins
     loss: str = "model"  # model | fp32_shift_copy | shift_copy: older causal-LM losses (`_loss`)
     optimizer: str = "adamw_foreach"  # adamw_foreach | adamw_single | adamw_fused | sgd | none
     optimizer_in_backward: bool = False  # one optimizer per parameter, stepped in its gradient hook (`_run_step`)
@@ -117,7 +117,7 @@ class TraceKey:
         _check(self.attn_implementation, ATTN_IMPLEMENTATIONS, "attn_implementation")
         _check(self.optimizer, OPTIMIZERS, "optimizer")
         _check(self.checkpoint_policy, checkpointing.POLICIES, "checkpoint_policy")
-        _check(self.kernels, ("torch", "liger"), "kernels")
+        liger.parse(self.kernels)  # raises ValueError on another value
         _check(self.loss, ("model", "fp32_shift_copy", "shift_copy"), "loss")
         _check(self.trainable, ("all", "lora"), "trainable")
         _check(self.quant_type, (None, "nf4", "fp4", "gptq_int4", "gptq_int8", "torchao_nf4"), "quant_type")
@@ -432,7 +432,7 @@ def _loss(model, ids, key: TraceKey, kept: list):
         logits = out.logits
         del out
         return vocab_parallel_loss(logits, ids)
-    if key.loss in ("fp32_shift_copy", "shift_copy") and key.kernels != "liger":
+    if key.loss in ("fp32_shift_copy", "shift_copy") and "fused_linear_cross_entropy" not in liger.parse(key.kernels):
         # fp32_shift_copy: transformers 4.37-4.45, LlamaForCausalLM.forward (and Mistral's,
         # Qwen2's...): `logits = logits.float()`, then `shift_logits = logits[..., :-1,
         # :].contiguous()` into CrossEntropyLoss. shift_copy: the same without the upcast
@@ -502,7 +502,7 @@ def _run_step(key: TraceKey, rec: _Recorder, marks: dict, grads: dict):
         _transformers4_buffers(model)
     if key.tp_size > 1 and model.config.model_type not in TP_SHARDABLE:  # its family's rule (tp_shard.py)
         shard_model(model, key.tp_size, tp_padded_vocab(model.config.vocab_size, key.tp_size))
-    kernels = liger.applied(model) if key.kernels == "liger" else contextlib.nullcontext()
+    kernels = liger.applied(model, liger.parse(key.kernels)) if key.kernels != "torch" else contextlib.nullcontext()
     with kernels:  # Liger's kernels replace modules and functions for the forward and the backward
         if key.gradient_checkpointing:
             checkpointing.enable(model, key.checkpoint_policy)

@@ -90,7 +90,10 @@ def build_model(spec, config, plan: PrecisionPlan):
     if spec.liger_kernel:  # GPUs only (the planner says so); HF Trainer's use_liger_kernel path
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
-        _apply_liger_kernel_to_instance(model=model)
+        from launcher.liger import KERNELS
+
+        chosen = set(spec.liger_kernels or KERNELS)  # the switches of apply_liger_kernel_to_<family>
+        _apply_liger_kernel_to_instance(model=model, **{k: k in chosen for k in KERNELS})
     if spec.gradient_checkpointing:
         checkpointing.enable(model, spec.checkpoint_policy)
     model.train()

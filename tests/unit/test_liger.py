@@ -55,7 +55,7 @@ def real_peak(k: tr.TraceKey) -> int:
         model = transformers.AutoModelForCausalLM.from_config(
             cfg, dtype=getattr(torch, k.param_dtype), attn_implementation=k.attn_implementation)
         model.train()
-        with liger.applied(model):
+        with liger.applied(model, liger.parse(k.kernels)):
             train_one_step(model, k, None, cfg.vocab_size)
     return mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
@@ -65,6 +65,46 @@ def test_traced_liger_step_equals_memtracker(param_dtype, autocast):
     k = key(config(), param_dtype=param_dtype, autocast_dtype=autocast, kernels="liger")
     traced, real = tr.trace_step(k).live_curve().max(), real_peak(k)
     assert abs(traced - real) <= 0.01 * real, (traced, real)
+
+
+ROPE_FLCE = "liger:rope,fused_linear_cross_entropy"  # apply_liger_kernel_to_*() after the model is built
+
+
+def test_a_subset_of_the_kernels_is_traced_as_the_real_step_with_it_runs():
+    """Liger's RoPE and fused loss with transformers' own RMSNorm and MLP: the traced peak equals
+    the real step's with the same stand-ins, and is above the peak with every kernel (transformers'
+    RMSNorm keeps an fp32 copy of its input, its MLP the activation of the gate)."""
+    k = key(config(kind="qwen2"), kernels=ROPE_FLCE)
+    traced, real = tr.trace_step(k).live_curve().max(), real_peak(k)
+    assert abs(traced - real) <= 0.01 * real, (traced, real)
+    every = tr.trace_step(key(config(kind="qwen2"), kernels="liger")).live_curve().max()
+    assert traced > every, (traced, every)
+
+
+def test_kernel_names():
+    assert liger.trace_name(liger.KERNELS) == "liger" and liger.parse("liger") == frozenset(liger.KERNELS)
+    assert liger.trace_name(["fused_linear_cross_entropy", "rope"]) == ROPE_FLCE
+    assert liger.parse(ROPE_FLCE) == {"rope", "fused_linear_cross_entropy"} and liger.parse("torch") == frozenset()
+    for bad in (["rope", "geglu"], []):
+        with pytest.raises(ValueError):
+            liger.trace_name(bad)
+    with pytest.raises(ValueError):
+        tr.TraceKey("{}", 2, 2, 64, kernels="liger:geglu")
+
+
+def test_subset_loss_and_gradients_are_the_models():
+    torch.manual_seed(0)
+    plain = transformers.AutoModelForCausalLM.from_config(config("qwen2"), attn_implementation="sdpa")
+    fused = copy.deepcopy(plain)
+    ids = torch.randint(0, VOCAB, (2, 40))
+    want = plain(input_ids=ids, labels=ids).loss
+    want.backward()
+    with liger.applied(fused, liger.parse(ROPE_FLCE)):
+        got = fused(input_ids=ids, labels=ids).loss
+        got.backward()
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got, want)
+    for (name, p), q in zip(plain.named_parameters(), fused.parameters()):
+        assert torch.allclose(q.grad, p.grad, rtol=1e-4, atol=1e-6), name
 
 
 def test_fused_loss_never_holds_the_logits():
@@ -93,3 +133,7 @@ def test_a_multi_gpu_plan_with_liger_leaves_tensor_parallelism_out(cli):
     r = cli(*args, "strategy=fsdp2_tp")
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode == 2 and len(errors) == 1 and "training.liger_kernel=false" in errors[0]
+    r = cli(*args, "training.liger_kernels=[rope,geglu]")
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "training.liger_kernels" in errors[0] and "geglu" in errors[0], errors
