@@ -306,6 +306,15 @@ class TrainingConfig:
     (launcher/trace.py `_transformers4_cache`). Under gradient checkpointing transformers turns the
     cache off. false: no cache, as the launcher's workers set it (`use_cache = False`). Planning
     only: such a plan is an estimate only."""
+    rotary_cache: bool = False
+    """Every attention layer holds its own rotary embedding with cos and sin tables for all of the
+    model's max_position_embeddings, as transformers 4.37-4.44's Qwen2 builds them
+    (modeling_qwen2.py `Qwen2Attention.__init__`: `self.rotary_emb = Qwen2RotaryEmbedding(...)`,
+    whose `_set_cos_sin_cache` registers `cos_cached` and `sin_cached`, max_position_embeddings x
+    head_dim in the default dtype, which from_pretrained sets to the load dtype): 2 x 131072 x 128 x
+    2 bytes per layer for Qwen2-7B in bf16, never sharded (they are buffers). false: the installed
+    transformers' one rotary embedding per model, which computes cos and sin per forward. Planning
+    only: such a plan is an estimate only."""
     warmup_steps: int = 0
     max_steps: int = 30
     """Optimizer steps of a run."""

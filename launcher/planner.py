@@ -114,7 +114,7 @@ def workload(config: LauncherConfig, spec: ModelSpec, micro: int) -> Workload:
                     causal_lm_loss=t.causal_lm_loss.name, optimizer_in_backward=t.optimizer_in_backward,
                     zero_grad_set_to_none=t.zero_grad_set_to_none,
                     sgd_momentum=float(t.sgd_momentum), built_on_device=t.built_on_device,
-                    keep_outputs=t.keep_outputs, use_cache=t.use_cache)
+                    keep_outputs=t.keep_outputs, use_cache=t.use_cache, rotary_cache=t.rotary_cache)
 
 
 def ask(config: LauncherConfig, cluster: Cluster, env: Env, peft: str = "none") -> Ask:
@@ -159,8 +159,9 @@ def quant_problem(strategy: Strategy, variant: TrainingVariant) -> str:
 def kernels_problem(config: LauncherConfig, device: str, env: Env) -> str:
     """Why the kernels a config asks for cannot run here, or ''. Liger's are Triton kernels: GPUs
     only, and the liger-kernel package (launcher/liger.py). Another transformers version's loss
-    (training.causal_lm_loss), another loop's kept outputs (training.keep_outputs) and transformers
-    4's training cache (training.use_cache) are planned, never run."""
+    (training.causal_lm_loss), another loop's kept outputs (training.keep_outputs), transformers
+    4's training cache (training.use_cache) and its per-layer rotary tables (training.rotary_cache)
+    are planned, never run."""
     if config.training.causal_lm_loss.name != "model":
         return (f"training.causal_lm_loss={config.training.causal_lm_loss.name} plans another transformers "
                 "version's loss; the worker runs the installed one: estimate only")
@@ -170,6 +171,9 @@ def kernels_problem(config: LauncherConfig, device: str, env: Env) -> str:
     if config.training.use_cache:
         return ("training.use_cache=true plans transformers 4's cache of keys and values in training; the worker "
                 "builds the model without it: estimate only")
+    if config.training.rotary_cache:
+        return ("training.rotary_cache=true plans transformers 4's per-layer rotary tables; the worker runs the "
+                "installed transformers: estimate only")
     if not config.training.liger_kernel:
         return ""
     if device != "cuda":
@@ -222,7 +226,7 @@ def trace_key(spec: ModelSpec, strategy: Strategy, wl: Workload, lora=None):
                           checkpoint_policy=wl.checkpoint_policy if wl.gradient_checkpointing else "full",
                           kernels=wl.kernels, loss=wl.causal_lm_loss,
                           optimizer_in_backward=wl.optimizer_in_backward, keep_outputs=wl.keep_outputs,
-                          use_cache=wl.use_cache, **request)
+                          use_cache=wl.use_cache, rotary_cache=wl.rotary_cache, **request)
 
 
 def model_numbers(traces) -> dict:

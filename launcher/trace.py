@@ -110,6 +110,8 @@ class TraceKey:
     # the forward returns the cache of keys and values, as transformers 4 filled it in training
     # (training.use_cache, `_transformers4_cache`)
     use_cache: bool = False
+    # every attention layer holds cos/sin tables over all positions (training.rotary_cache, `_rotary_caches`)
+    rotary_cache: bool = False
 
     def __post_init__(self):
         _check(self.param_dtype, PARAM_DTYPES, "param_dtype")
@@ -500,6 +502,8 @@ def _run_step(key: TraceKey, rec: _Recorder, marks: dict, grads: dict):
     model.train()
     if key.transformers4:
         _transformers4_buffers(model)
+    if key.rotary_cache:
+        _rotary_caches(model)
     if key.tp_size > 1 and model.config.model_type not in TP_SHARDABLE:  # its family's rule (tp_shard.py)
         shard_model(model, key.tp_size, tp_padded_vocab(model.config.vocab_size, key.tp_size))
     kernels = liger.applied(model, liger.parse(key.kernels)) if key.kernels != "torch" else contextlib.nullcontext()
@@ -779,6 +783,22 @@ def _transformers4_buffers(model) -> None:
             module.register_buffer("bias", mask, persistent=False)
 
 
+def _rotary_caches(model) -> None:
+    """transformers 4.37-4.44's per-layer rotary tables (training.rotary_cache, launcher/config.py):
+    `cos_cached` and `sin_cached`, max_position_embeddings x head_dim in the model's dtype, on every
+    attention module (Qwen2RotaryEmbedding `_set_cos_sin_cache`, called from its __init__)."""
+    import torch
+
+    cfg = model.config
+    n = cfg.max_position_embeddings
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dtype = next(model.parameters()).dtype
+    for module in model.modules():
+        if type(module).__name__.endswith("Attention") and hasattr(module, "o_proj"):
+            module.register_buffer("cos_cached", torch.empty(n, head_dim, dtype=dtype), persistent=False)
+            module.register_buffer("sin_cached", torch.empty(n, head_dim, dtype=dtype), persistent=False)
+
+
 def _traced_attn(key: TraceKey) -> str:
     return "sdpa" if key.attn_implementation == "flash_attention_2" else key.attn_implementation
 
@@ -1012,7 +1032,7 @@ def _cache_key(key: TraceKey) -> str:
     fields = dataclasses.asdict(key)
     for name in ("kbit_upcast", "gptq_group_size", "lora_dora", "lora_modules_to_save", "lora_train_base",
                  "zero3_linear", "transformers4", "flat_param_grads", "keep_outputs",
-                 "use_cache"):
+                 "use_cache", "rotary_cache"):
         # unset: the key hashes as before the field existed
         if not fields.get(name):
             fields.pop(name, None)

@@ -25,6 +25,7 @@ class Workload:
     built_on_device: bool = False  # training.built_on_device (a layout's initialization replay; not the trace)
     keep_outputs: bool = False  # the loop keeps each step's outputs until the next forward returns (training.keep_outputs)
     use_cache: bool = False  # the forward builds transformers 4's cache of keys and values (training.use_cache)
+    rotary_cache: bool = False  # per-layer cos/sin tables over every position (training.rotary_cache)
 
     @property
     def state_optimizer(self) -> str:
