@@ -491,6 +491,12 @@ class FSDP2Config:
     tp_size: Optional[int] = None
     """fsdp2_tp: tensor-parallel size (the second DeviceMesh dimension); null = every size that
     divides a node's GPUs and the model's attention and key/value heads."""
+    keep_last_block: bool = True
+    """With reshard_after_forward (fsdp2, fsdp2_offload, fsdp2_tp): the last decoder block keeps its
+    parameters unsharded from its forward to its backward, as torchtitan's `apply_fsdp` does (one
+    all-gather less per step, one block's parameters more through the LM head and the loss).
+    false: it reshards like every other block, as Accelerate's `fsdp_version: 2` applies one
+    `reshard_after_forward` to all of them."""
 
 
 @dataclass

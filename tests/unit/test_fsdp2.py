@@ -277,6 +277,46 @@ def test_side_stream_buffers_hold_their_own_cache():
     assert held(lay) > held(one)
 
 
+def test_the_last_block_kept_unsharded_or_not():
+    """fsdp2.keep_last_block (torchtitan's policy, the default) against false (Accelerate's): the
+    plan JSON the worker applies, the all-gathers gathered again in backward, and the layout, where
+    the kept block's unsharded parameters are alive from its forward through the LM head and the
+    loss, and no all-gather output is made for it in backward."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from launcher import trace
+    from launcher.backends.fsdp2.comm import resharded_blocks
+    from launcher.backends.fsdp2.layout import block_events, fsdp2_layout, groups, setup
+    from launcher.backends.fsdp2.rules import keep_last_block
+    from launcher.memory.common import category_curves
+    from launcher.types import Workload
+
+    keep, drop = SimpleNamespace(keep_last_block=True), SimpleNamespace(keep_last_block=False)
+    s = STRATEGIES["fsdp2"]
+    assert plan_config(s, "bf16-mixed", 2, keep)["last_block_reshard_after_forward"] is False
+    assert plan_config(s, "bf16-mixed", 2, drop)["last_block_reshard_after_forward"] is True
+    assert resharded_blocks(s, 32, keep_last_block(s, keep)) == 31 and resharded_blocks(s, 32, keep_last_block(s, drop)) == 32
+    assert resharded_blocks(STRATEGIES["fsdp2_grad_op"], 32) == 0
+
+    key = trace.TraceKey(hf_config_json=trace.canonical_config_json(dict(
+        model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=4096, max_position_embeddings=128)), num_layers=3, micro_batch_size=2,
+        seq_len=64, param_dtype="bfloat16", optimizer="none")
+    wl = Workload(seq_len=64, micro_batch_size=2, precision="bf16-mixed", optimizer="adamw_torch",
+                  gradient_checkpointing=False, attn_implementation="sdpa")
+    t = trace.trace_step(key)
+    lays = {k: fsdp2_layout(t, setup(s, wl, 2, 0, knobs=v)) for k, v in (("keep", keep), ("drop", drop))}
+    F, _ = block_events(t)
+    block = 2 * groups(t, 2, setup(s, wl, 2, 0))[2].gather_bytes  # the last block's unsharded parameters, 2 ranks
+    total = {k: sum(category_curves(lay).values()) for k, lay in lays.items()}
+    head = slice(lays["keep"].start(F[3]), lays["keep"].start(t.phases["backward"][0]))  # LM head and loss
+    assert np.all(total["keep"][head] - total["drop"][head] == block)
+    assert sum(tm.name == "all_gather_output" for tm in lays["keep"].terms) == sum(
+        tm.name == "all_gather_output" for tm in lays["drop"].terms) - 1
+
+
 def test_qlora_with_cpu_offload_is_planned_never_chosen(trace_cache):
     """fsdp2_offload plans a QLoRA candidate (its table's estimate_only) that the planner never
     chooses to launch: its verdict says why."""

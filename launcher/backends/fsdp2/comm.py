@@ -60,8 +60,8 @@ def fsdp2_comm(strategy: Strategy, cluster, *, num_params: int, num_trainable_pa
     """(raw, exposed) seconds per optimizer step of FSDP2's all-gathers and reduce-scatters over
     `dp` ranks. `forward_s`/`backward_s`: one micro-batch's compute; parameters split evenly over
     the `num_layers` blocks (the root's embeddings and head count as one more group).
-    `keep_last`: the last block follows `keep_last_block` (FSDP2's policy here), else reshards
-    like the others (FSDP1's FULL_SHARD)."""
+    `keep_last`: the last block stays unsharded after forward (rules.py `keep_last_block`), else
+    reshards like the others (fsdp2.keep_last_block=false, FSDP1's FULL_SHARD)."""
     if dp <= 1:
         return FSDP2Comm(0.0, 0.0)
     bus = bus_bandwidth_gbps(cluster)
@@ -85,10 +85,11 @@ def resharded_blocks(strategy: Strategy, num_layers: int, keep_last: bool = True
     """Groups all-gathered again in backward per micro-batch (module docstring)."""
     if not reshard_after_forward(strategy):
         return 0
-    return max(0, num_layers - (keep_last and keep_last_block(strategy)))
+    return max(0, num_layers - (keep_last and reshard_after_forward(strategy)))
 
 
 def comm(x: CommInput, keep_last: bool = True) -> tuple:
+    keep_last = keep_last and keep_last_block(x.strategy, x.knobs.get("fsdp2"))
     """(compute_s, raw comm_s, exposed comm_s, bytes per gradient element) for launcher/speed.py:
     FSDP2's collectives over the dp ranks (`fsdp2_comm`; with tp > 1 the parameter counts are
     the traced shard's) plus the tensor-parallel all-reduces (not overlapped)."""
@@ -102,6 +103,7 @@ def comm(x: CommInput, keep_last: bool = True) -> tuple:
 
 
 def host_equivalent(x: CommInput, keep_last: bool = True) -> HostEquivalent:
+    keep_last = keep_last and keep_last_block(x.strategy, x.knobs.get("fsdp2"))
     """torch DDP's host terms (DDP's default 25 MiB buckets: the ddp group's settings are DDP's own)
     plus FSDP2's all-gathers (one per group and micro-batch, and one more per block resharded
     after forward) and the tensor-parallel all-reduces (module docstring)."""

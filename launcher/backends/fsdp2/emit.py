@@ -26,7 +26,7 @@ PLAN_FILE = "fsdp2_plan.json"
 ACCELERATE_MIXED = {"bf16-mixed": "bf16"}
 
 
-def plan_config(strategy: Strategy, precision: str, num_processes: int) -> dict:
+def plan_config(strategy: Strategy, precision: str, num_processes: int, knobs=None) -> dict:
     """The plan the worker runs (and a torchtitan/torchtune user reads): mesh, wrapping, policy.
     Activation checkpointing is the run's `gradient_checkpointing` (run.json), applied by
     transformers inside each block, not part of the sharding plan."""
@@ -35,7 +35,7 @@ def plan_config(strategy: Strategy, precision: str, num_processes: int) -> dict:
         "mesh": {"dp": num_processes // tp, "tp": tp} if tp > 1 else {"dp": num_processes},
         "fully_shard": ["model.layers.*", "<root>"],
         "reshard_after_forward": reshard_after_forward(strategy),
-        "last_block_reshard_after_forward": reshard_after_forward(strategy) and not keep_last_block(strategy),
+        "last_block_reshard_after_forward": reshard_after_forward(strategy) and not keep_last_block(strategy, knobs),
         "root_reshard_after_forward": None,  # FSDP2's default for the root: keep it unsharded
         "mp_policy": mixed_precision(precision),
         "cpu_offload": strategy.offload_params,
@@ -105,7 +105,7 @@ def exports(plan, config) -> Exported:
     c = plan.candidates[i]
     t = config.training
     ckpt = t.gradient_checkpointing or c.gradient_checkpointing
-    plan_json = plan_config(c.strategy, t.precision.name, config.gpus)
+    plan_json = plan_config(c.strategy, t.precision.name, config.gpus, config.fsdp2)
     layer = decoder_layer_class(config)
     acc = accelerate_config(c.strategy, t.precision.name, config.gpus, config.nodes, config.hardware.device,
                             layer, ckpt)
@@ -117,4 +117,4 @@ def exports(plan, config) -> Exported:
 
 def emit(x) -> dict:
     """The registry's emitter (launcher/backends/base.py `EmitInput`): the plan JSON."""
-    return plan_config(x.strategy, x.training.precision.name, x.dp_size * x.strategy.tp_size)
+    return plan_config(x.strategy, x.training.precision.name, x.dp_size * x.strategy.tp_size, x.knobs.get("fsdp2"))

@@ -487,15 +487,15 @@ def trace_request(strategy: Strategy, workload) -> dict:
     return out
 
 
-def setup(strategy: Strategy, workload, dp: int, rank: int, frozen_bytes: int = 0) -> FSDP2Setup:
+def setup(strategy: Strategy, workload, dp: int, rank: int, frozen_bytes: int = 0, knobs=None) -> FSDP2Setup:
     """`frozen_bytes`: bytes per element of the frozen parameters when they are not in the model's
     dtype: a sharded QLoRA base is built in its compute dtype and not upcast (rules.py
-    `peft_settings`); 0: the model's dtype."""
+    `peft_settings`); 0: the model's dtype. `knobs`: the fsdp2 config group (`keep_last_block`)."""
     mp = mixed_precision(workload.precision)
     shard = model_dtype(workload.precision)
     compute = mp["param_dtype"] or shard
     return FSDP2Setup(world=dp, rank=rank, reshard_after_forward=reshard_after_forward(strategy),
-                      keep_last=keep_last_block(strategy),
+                      keep_last=keep_last_block(strategy, knobs),
                       compute_bytes=DTYPE_BYTES[compute], shard_bytes=DTYPE_BYTES[shard],
                       reduce_bytes=DTYPE_BYTES[mp["reduce_dtype"] or mp["param_dtype"]] if mp["param_dtype"] else 0,
                       cast=compute != shard,
@@ -518,7 +518,8 @@ def memory(traces, strategy: Strategy, workload, knobs, dp: int, device: str) ->
     four_bit = four_bit_params(traces.depth1)  # sharded QLoRA: the base in the traced compute dtype
     frozen = int(traces.depth1.params.element_size[next(iter(four_bit))]) if four_bit else 0
     out = tuple((tuple(ranks) if len(keyed) > 1 else (),
-                 tuple(fsdp2_layout(t, setup(strategy, workload, dp, ranks[0], frozen)) for t in depths))
+                 tuple(fsdp2_layout(t, setup(strategy, workload, dp, ranks[0], frozen, knobs.get("fsdp2")))
+                       for t in depths))
                 for ranks in keyed.values())
     replayed = out[0][1][0].init is not None
     init = (init_note("FSDP2", workload.built_on_device, INIT_SOURCE),) if replayed else ()

@@ -82,15 +82,15 @@ def reshard_after_forward(strategy: Strategy) -> bool:
     return strategy.name != "fsdp2_grad_op"
 
 
-def keep_last_block(strategy: Strategy) -> bool:
+def keep_last_block(strategy: Strategy, knobs=None) -> bool:
     """Whether the last decoder block keeps its parameters unsharded from its forward to its
     backward while the other blocks reshard after forward: torchtitan's policy ("As an
     optimization, do not reshard after forward for the last transformer block since FSDP would
     prefetch it immediately", torchtitan 9dec370 torchtitan/parallelisms/parallelize_llama.py
     `apply_fsdp`: `reshard_after_forward = int(layer_id) < len(model.layers) - 1`). It saves one
     all-gather per micro-batch and holds one block's unsharded parameters through the LM head and
-    the loss."""
-    return reshard_after_forward(strategy)
+    the loss. `knobs`: the fsdp2 config group (`fsdp2.keep_last_block`, default true)."""
+    return reshard_after_forward(strategy) and bool(getattr(knobs, "keep_last_block", True))
 
 
 def mixed_precision(precision: str) -> dict:
