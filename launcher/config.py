@@ -405,6 +405,13 @@ class PeftConfig:
     """peft's get_peft_model(autocast_adapter_dtype=...): true keeps the adapters in fp32 on a 16-bit
     model (peft's default, HF Trainer and TRL); false builds them in the model's dtype (torchtune).
     DeepSpeed casts the whole module to its 16-bit dtype either way."""
+    bnb_keeps_input: bool = False
+    """QLoRA (nf4, fp4): every 4-bit matmul keeps its input for its backward, as bitsandbytes
+    before 0.43.2 did (autograd/_functions.py MatMul4Bit.forward: `ctx.tensors = (A, B)`, which
+    its backward never reads for A; dropped in 0.43.2 by "fix QLoRA mem bug: delete useless
+    buffered activation", PR 1270, 2024-07-16). false: bitsandbytes 0.43.2 on (`ctx.tensors =
+    (None, B)`). Planning only: the worker runs the installed bitsandbytes, so such a plan is an
+    estimate only."""
     upcast_non_quantized: bool = True
     """QLoRA (bitsandbytes types): run peft's prepare_model_for_kbit_training, as HF Trainer, TRL and
     Axolotl QLoRA recipes do: every 16-bit parameter that is not 4-bit (embeddings, norms, LM head)

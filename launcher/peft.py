@@ -48,6 +48,8 @@ class LoraSettings:
     quant_storage: Optional[str] = None
     # peft get_peft_model(autocast_adapter_dtype=...): False builds the adapters in the model's dtype
     autocast_adapter_dtype: bool = True
+    # QLoRA (nf4, fp4): bitsandbytes before 0.43.2 kept each 4-bit matmul's input (peft.bnb_keeps_input)
+    bnb_keeps_input: bool = False
 
     @property
     def method(self) -> str:
@@ -86,6 +88,9 @@ def settings_from_config(peft_config) -> Optional[LoraSettings]:
     if peft_config.nf4_quantize_chunk < 0:
         problems.append(f"peft.nf4_quantize_chunk={peft_config.nf4_quantize_chunk}: must be 0 (torchao 0.1) "
                         "or a chunk size, e.g. 1048576 (torchao >= 0.2)")
+    if peft_config.bnb_keeps_input and (method != "qlora" or peft_config.quant_type.name not in ("nf4", "fp4")):
+        problems.append("peft.bnb_keeps_input=true is bitsandbytes' 4-bit matmul: use peft=qlora with "
+                        "peft.quant_type=nf4 or fp4, or peft.bnb_keeps_input=false")
     if problems:
         raise ConfigError(*problems)
     tm = tuple(peft_config.target_modules) if peft_config.target_modules else None
@@ -98,7 +103,8 @@ def settings_from_config(peft_config) -> Optional[LoraSettings]:
                         compute_dtype=peft_config.compute_dtype.name,
                         upcast_non_quantized=peft_config.upcast_non_quantized,
                         gptq_group_size=peft_config.gptq_group_size,
-                        autocast_adapter_dtype=peft_config.autocast_adapter_dtype)
+                        autocast_adapter_dtype=peft_config.autocast_adapter_dtype,
+                        bnb_keeps_input=peft_config.bnb_keeps_input)
 
 
 DEFAULT_TARGETS_PEFT_LACKS = {
@@ -249,17 +255,20 @@ def expert_parameters(model) -> list:
             for p in module.parameters(recurse=False) if p.dim() == 3]
 
 
-def _dequant_linear(absmax_numel):
+def _dequant_linear(absmax_numel, keeps_input: bool = False):
     """The stand-in for bitsandbytes' MatMul4Bit (module docstring). `absmax_numel(weight)`: the fp32
     block constants that dequantizing a double-quantized weight rebuilds first
     (bitsandbytes/functional.py `dequantize_4bit`: `absmax = dequantize_blockwise(quant_state.absmax,
-    quant_state.state2); absmax += quant_state.offset`), alive beside the dequantized weight."""
+    quant_state.state2); absmax += quant_state.offset`), alive beside the dequantized weight.
+    `keeps_input`: the input is kept for backward too, as bitsandbytes before 0.43.2 kept it
+    (`ctx.tensors = (A, B)`; peft.bnb_keeps_input)."""
     import torch
 
     class DequantLinear(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, weight, bias):
-            ctx.save_for_backward(weight)  # the 4-bit weight itself, no activation
+            # the 4-bit weight itself; the input only where bitsandbytes kept it
+            ctx.save_for_backward(*((x, weight) if keeps_input else (weight,)))
             w = weight.clone()  # F.dequantize_4bit(B, quant_state).to(A.dtype)
             out = torch.nn.functional.linear(x, w, bias)
             del w
@@ -267,7 +276,7 @@ def _dequant_linear(absmax_numel):
 
         @staticmethod
         def backward(ctx, grad_out):
-            (weight,) = ctx.saved_tensors
+            weight = ctx.saved_tensors[-1]
             if not ctx.needs_input_grad[0]:
                 return None, None, None
             absmax = weight.new_empty(absmax_numel(weight), dtype=torch.float32)
@@ -290,7 +299,7 @@ def qlora_stand_in(linears, settings: LoraSettings) -> list:
 
     compute = getattr(torch, settings.compute_dtype)
     blocks = (lambda w: -(-w.numel() // QUANT_BLOCKSIZE)) if settings.double_quant else (lambda w: 0)
-    fn = _dequant_linear(blocks)
+    fn = _dequant_linear(blocks, settings.bnb_keeps_input)
 
     def forward(module):
         return lambda x: fn.apply(x.to(compute), module.weight, module.bias).to(x.dtype).clone()
@@ -376,6 +385,7 @@ def trace_fields(lora: Optional[LoraSettings], adapter_autocast: bool, request: 
            "lora_dora": lora.use_dora, "lora_modules_to_save": tuple(lora.modules_to_save or ()),
            "lora_train_base": lora.train_base,
            "quant_type": lora.quant_type, "double_quant": lora.double_quant,
+           "bnb_keeps_input": lora.bnb_keeps_input and lora.quant_type in ("nf4", "fp4"),
            "adapter_autocast": adapter_autocast and lora.autocast_adapter_dtype}
     if lora.quant_type is not None:
         out["param_dtype"] = lora.compute_dtype

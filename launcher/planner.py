@@ -171,6 +171,9 @@ def kernels_problem(config: LauncherConfig, device: str, env: Env) -> str:
     if config.training.use_cache:
         return ("training.use_cache=true plans transformers 4's cache of keys and values in training; the worker "
                 "builds the model without it: estimate only")
+    if config.peft.bnb_keeps_input:
+        return ("peft.bnb_keeps_input=true plans bitsandbytes before 0.43.2; the worker runs the installed "
+                "bitsandbytes: estimate only")
     if config.training.rotary_cache:
         return ("training.rotary_cache=true plans transformers 4's per-layer rotary tables; the worker runs the "
                 "installed transformers: estimate only")

@@ -112,6 +112,8 @@ class TraceKey:
     use_cache: bool = False
     # every attention layer holds cos/sin tables over all positions (training.rotary_cache, `_rotary_caches`)
     rotary_cache: bool = False
+    # QLoRA: each 4-bit matmul keeps its input, as bitsandbytes before 0.43.2 (peft.bnb_keeps_input)
+    bnb_keeps_input: bool = False
 
     def __post_init__(self):
         _check(self.param_dtype, PARAM_DTYPES, "param_dtype")
@@ -140,7 +142,7 @@ class TraceKey:
                             train_base=self.lora_train_base,
                             quant_type=self.quant_type, double_quant=self.double_quant,
                             compute_dtype=self.param_dtype, upcast_non_quantized=self.kbit_upcast,
-                            gptq_group_size=self.gptq_group_size or 128)
+                            gptq_group_size=self.gptq_group_size or 128, bnb_keeps_input=self.bnb_keeps_input)
 
 
 def _check(value, allowed, name):
@@ -1032,7 +1034,7 @@ def _cache_key(key: TraceKey) -> str:
     fields = dataclasses.asdict(key)
     for name in ("kbit_upcast", "gptq_group_size", "lora_dora", "lora_modules_to_save", "lora_train_base",
                  "zero3_linear", "transformers4", "flat_param_grads", "keep_outputs",
-                 "use_cache", "rotary_cache"):
+                 "use_cache", "rotary_cache", "bnb_keeps_input"):
         # unset: the key hashes as before the field existed
         if not fields.get(name):
             fields.pop(name, None)

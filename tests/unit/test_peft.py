@@ -223,3 +223,17 @@ def test_train_base_trains_every_parameter_in_the_worker_and_the_trace():
     assert traced == trainable
     with pytest.raises(ConfigError, match="peft.train_base=true"):
         lp.settings_from_config(PeftConfig(method=PeftMethod["qlora"], train_base=True))
+
+
+def test_bnb_keeps_input_is_bitsandbytes_qlora_only():
+    """peft.bnb_keeps_input (bitsandbytes before 0.43.2) reaches the trace key of a bitsandbytes
+    QLoRA candidate; on a LoRA or GPTQ candidate it is refused in one line naming the key."""
+    from launcher.config import PeftConfig, QuantType
+
+    s = lp.settings_from_config(PeftConfig(method=PeftMethod["qlora"], bnb_keeps_input=True))
+    assert s.bnb_keeps_input and lp.trace_fields(s, True, {})["bnb_keeps_input"] is True
+    assert lp.trace_fields(lp.LoraSettings(quant_type="nf4"), True, {})["bnb_keeps_input"] is False
+    for bad in (PeftConfig(method=PeftMethod["lora"], bnb_keeps_input=True),
+                PeftConfig(method=PeftMethod["qlora"], quant_type=QuantType["gptq_int4"], bnb_keeps_input=True)):
+        with pytest.raises(ConfigError, match="peft.bnb_keeps_input=true"):
+            lp.settings_from_config(bad)

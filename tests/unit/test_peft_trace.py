@@ -198,3 +198,53 @@ def test_moe_experts_are_four_bit_per_expert():
         per_matrix = sum(x.untyped_storage().nbytes() for x in
                          (packed, state.absmax, state.code, state.state2.absmax, state.state2.code, state.offset))
         assert t.nbytes[rows[i]] == 4 * per_matrix, p.names[i]
+
+
+def _real_qlora_step(k: tr.TraceKey) -> int:
+    """The QLoRA step on real tensors with bitsandbytes' own 4-bit Linear on CPU (launcher/peft.py
+    `quantize_base_4bit`, as the worker builds it), under the live storage tracker."""
+    from launcher.worker.storage_tracker import StorageTracker
+
+    torch.manual_seed(0)
+    cfg = transformers.AutoConfig.for_model(**json.loads(k.hf_config_json))
+    cfg.num_hidden_layers, cfg.use_cache = k.num_layers, False
+    settings = k.lora_settings()
+    mt = StorageTracker()
+    with mt:
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, k.param_dtype),
+                                                              attn_implementation=k.attn_implementation)
+        model.train()
+        model = lp.apply_lora(lp.quantize_base_4bit(model, settings, "cpu"), settings,
+                              autocast_adapter_dtype=k.adapter_autocast)
+        train_one_step(model, k, None, VOCAB)
+    return mt.peak_bytes
+
+
+def test_bitsandbytes_before_0_43_2_keeps_each_4bit_matmul_input():
+    """peft.bnb_keeps_input: bitsandbytes until 0.43.1 kept the input of every 4-bit matmul on its
+    context (MatMul4Bit.forward `ctx.tensors = (A, B)`, 0.43.0 autograd/_functions.py), where 0.43.2
+    on keeps `(None, B)`. The real step with the installed bitsandbytes, and again with that one
+    line as 0.43.0 had it, grows by what the traced step grows by."""
+    from bitsandbytes.autograd._functions import MatMul4Bit
+
+    pytest.importorskip("bitsandbytes.functional")
+    base = lora_key(param_dtype="bfloat16", optimizer="none", quant_type="nf4", double_quant=True,
+                    adapter_autocast=False, seq_len=64)
+    keeps = dataclasses.replace(base, bnb_keeps_input=True)
+    traced = {k: int(tr.trace_step(key).live_curve().max()) for k, key in (("now", base), ("0.43.0", keeps))}
+    real = {"now": _real_qlora_step(base)}
+    forward = MatMul4Bit.forward
+
+    def forward_0_43_0(ctx, A, B, out=None, bias=None, quant_state=None):
+        output = forward(ctx, A, B, out, bias, quant_state)
+        if ctx.tensors[1] is not None:  # any(ctx.needs_input_grad[:2])
+            ctx.tensors = (A, ctx.tensors[1])
+        return output
+
+    MatMul4Bit.forward = staticmethod(forward_0_43_0)
+    try:
+        real["0.43.0"] = _real_qlora_step(base)
+    finally:
+        MatMul4Bit.forward = staticmethod(forward)
+    grown_real, grown_traced = real["0.43.0"] - real["now"], traced["0.43.0"] - traced["now"]
+    assert grown_real > 0 and abs(grown_traced - grown_real) <= 0.01 * real["0.43.0"], (real, traced)
