@@ -407,8 +407,8 @@ class PeftConfig:
     DeepSpeed casts the whole module to its 16-bit dtype either way."""
     bnb_keeps_input: bool = False
     """QLoRA (nf4, fp4): every 4-bit matmul keeps its input for its backward, as bitsandbytes
-    before 0.43.2 did (autograd/_functions.py MatMul4Bit.forward: `ctx.tensors = (A, B)`, which
-    its backward never reads for A; dropped in 0.43.2 by "fix QLoRA mem bug: delete useless
+    before 0.43.2 did (autograd/_functions.py MatMul4Bit.forward: `ctx.tensors = (A, B)`, though
+    its backward does not use A; dropped in 0.43.2 by "fix QLoRA mem bug: delete useless
     buffered activation", PR 1270, 2024-07-16). false: bitsandbytes 0.43.2 on (`ctx.tensors =
     (None, B)`). Planning only: the worker runs the installed bitsandbytes, so such a plan is an
     estimate only."""

@@ -82,17 +82,19 @@ def fsdp2_comm(strategy: Strategy, cluster, *, num_params: int, num_trainable_pa
 
 
 def resharded_blocks(strategy: Strategy, num_layers: int, keep_last: bool = True) -> int:
-    """Groups all-gathered again in backward per micro-batch (module docstring)."""
+    """Groups all-gathered again in backward per micro-batch (module docstring): every block
+    resharded after forward, the last one only when it is not kept."""
     if not reshard_after_forward(strategy):
         return 0
-    return max(0, num_layers - (keep_last and reshard_after_forward(strategy)))
+    return max(0, num_layers - int(keep_last))
 
 
 def comm(x: CommInput, keep_last: bool = True) -> tuple:
-    keep_last = keep_last and keep_last_block(x.strategy, x.knobs.get("fsdp2"))
     """(compute_s, raw comm_s, exposed comm_s, bytes per gradient element) for launcher/speed.py:
     FSDP2's collectives over the dp ranks (`fsdp2_comm`; with tp > 1 the parameter counts are
-    the traced shard's) plus the tensor-parallel all-reduces (not overlapped)."""
+    the traced shard's) plus the tensor-parallel all-reduces (not overlapped). `keep_last`: false
+    for FSDP1, whose FULL_SHARD reshards the last block too."""
+    keep_last = keep_last and keep_last_block(x.strategy, x.knobs.get("fsdp2"))
     cb, rb = comm_bytes(x.workload.precision)
     layers = x.spec.num_layers if x.spec is not None else 1
     c = fsdp2_comm(x.strategy, x.cluster, num_params=x.num_params, num_trainable_params=x.trainable,
@@ -103,10 +105,10 @@ def comm(x: CommInput, keep_last: bool = True) -> tuple:
 
 
 def host_equivalent(x: CommInput, keep_last: bool = True) -> HostEquivalent:
-    keep_last = keep_last and keep_last_block(x.strategy, x.knobs.get("fsdp2"))
     """torch DDP's host terms (DDP's default 25 MiB buckets: the ddp group's settings are DDP's own)
     plus FSDP2's all-gathers (one per group and micro-batch, and one more per block resharded
     after forward) and the tensor-parallel all-reduces (module docstring)."""
+    keep_last = keep_last and keep_last_block(x.strategy, x.knobs.get("fsdp2"))
     cb, _ = comm_bytes(x.workload.precision)
     groups = (x.spec.num_layers if x.spec is not None else 1) + 1
     layers = x.spec.num_layers if x.spec is not None else 1
