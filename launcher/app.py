@@ -40,7 +40,8 @@ def model_spec(config: LauncherConfig):
         try:
             liger.trace_name(config.training.liger_kernels)
         except ValueError as e:
-            raise ConfigError(f"training.liger_kernels: {e}; e.g. training.liger_kernels=[rope,fused_linear_cross_entropy]")
+            raise ConfigError(f"training.liger_kernels: {e}; "
+                              "e.g. training.liger_kernels=[rope,fused_linear_cross_entropy]") from None
     return spec
 
 

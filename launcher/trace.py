@@ -80,7 +80,9 @@ class TraceKey:
     attn_implementation: str = "sdpa"  # eager | sdpa | flash_attention_2 (traced as sdpa)
     gradient_checkpointing: bool = False
     checkpoint_policy: str = "full"  # with gradient_checkpointing: launcher/checkpointing.py POLICIES
-    kernels: str = "torch"  # torch | liger | liger:<kernel>,...: Liger's Triton kernels (all, or those named), traced as launcher/liger.py's stand-ins
+    # torch | liger | liger:<kernel>,...: Liger's Triton kernels (all, or those named), traced as
+    # launcher/liger.py's stand-ins
+    kernels: str = "torch"
     loss: str = "model"  # model | fp32_shift_copy | shift_copy: older causal-LM losses (`_loss`)
     optimizer: str = "adamw_foreach"  # adamw_foreach | adamw_single | adamw_fused | sgd | none
     optimizer_in_backward: bool = False  # one optimizer per parameter, stepped in its gradient hook (`_run_step`)
