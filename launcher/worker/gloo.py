@@ -12,10 +12,10 @@ SETTLE_TIMEOUT_S = 1.0
 
 
 def settle(tensors, counts) -> None:
-    """Wait until each tensor's reference count is at most its `counts` entry, the count it has
-    without the finished work (before a blocking collective; for an async one, when its `wait()`
-    starts less the references the work took: launcher/backends/colossalai/cpu.py `_SettledWork`),
-    i.e. until gloo's worker thread has dropped the work; at most SETTLE_TIMEOUT_S."""
+    """Wait until each tensor's reference count is at most its `counts` entry, the count it had
+    before a blocking collective (an async one is run blocking: launcher/backends/colossalai/cpu.py
+    `_SettledCollectives`), i.e. until gloo's worker thread has dropped the work; at most
+    SETTLE_TIMEOUT_S."""
     import time
 
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
