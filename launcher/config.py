@@ -410,8 +410,13 @@ class PeftConfig:
     before 0.43.2 did (autograd/_functions.py MatMul4Bit.forward: `ctx.tensors = (A, B)`, though
     its backward does not use A; dropped in 0.43.2 by "fix QLoRA mem bug: delete useless
     buffered activation", PR 1270, 2024-07-16). false: bitsandbytes 0.43.2 on (`ctx.tensors =
-    (None, B)`). Planning only: the worker runs the installed bitsandbytes, so such a plan is an
-    estimate only."""
+    (None, B)`). Traced as saved for the matmul's backward: exact without checkpointing and for
+    reentrant checkpointing (use_reentrant=True, as PEFT's and HF's QLoRA scripts of that time ran
+    it: the forward keeps nothing, the recomputed layer keeps its inputs until its backward). Not
+    modelled: under non-reentrant checkpointing, which the launcher traces and runs, bitsandbytes'
+    attribute is out of reach of the checkpoint's saved-tensor hooks, so every layer's inputs would
+    stay alive through the forward. Planning only: the worker runs the installed bitsandbytes, so
+    such a plan is an estimate only."""
     upcast_non_quantized: bool = True
     """QLoRA (bitsandbytes types): run peft's prepare_model_for_kbit_training, as HF Trainer, TRL and
     Axolotl QLoRA recipes do: every 16-bit parameter that is not 4-bit (embeddings, norms, LM head)
@@ -501,7 +506,7 @@ class FSDP2Config:
     keep_last_block: bool = True
     """With reshard_after_forward (fsdp2, fsdp2_offload, fsdp2_tp): the last decoder block keeps its
     parameters unsharded from its forward to its backward, as torchtitan's `apply_fsdp` does (one
-    all-gather less per step, one block's parameters more through the LM head and the loss).
+    all-gather less per micro-batch, one block's parameters more through the LM head and the loss).
     false: it reshards like every other block, as Accelerate's `fsdp_version: 2` applies one
     `reshard_after_forward` to all of them."""
 

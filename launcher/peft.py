@@ -11,7 +11,8 @@ by the 4-bit layout of launcher/quant.py (packed weight + quantization constants
 stand-in autograd Function with the allocations of bitsandbytes' `MatMul4Bit` on a training-size
 input (bitsandbytes/autograd/_functions.py; on GPU `gemm_4bit` dequantizes and calls F.linear above
 a small row count, backends/cuda/ops.py): forward dequantizes the weight into a temporary
-compute-dtype copy, multiplies and frees it; nothing is saved for backward but the weight; backward
+compute-dtype copy, multiplies and frees it; nothing is saved for backward but the weight (and,
+with `bnb_keeps_input`, the input, as bitsandbytes before 0.43.2 kept it); backward
 dequantizes again to compute the input gradient. peft's bnb LoRA layer clones the base output
 (peft/tuners/lora/bnb.py Linear4bit.forward, `result = result.clone()`); the stand-in clones too.
 """
@@ -72,6 +73,9 @@ class LoraSettings:
 def settings_from_config(peft_config) -> Optional[LoraSettings]:
     """`launcher.config.PeftConfig` -> LoraSettings, or None for method=none."""
     method = peft_config.method.name
+    if peft_config.bnb_keeps_input and (method != "qlora" or peft_config.quant_type.name not in ("nf4", "fp4")):
+        raise ConfigError("peft.bnb_keeps_input=true is bitsandbytes' 4-bit matmul: use peft=qlora with "
+                          "peft.quant_type=nf4 or fp4, or peft.bnb_keeps_input=false")
     if method == "none":
         return None
     problems = []
@@ -88,9 +92,6 @@ def settings_from_config(peft_config) -> Optional[LoraSettings]:
     if peft_config.nf4_quantize_chunk < 0:
         problems.append(f"peft.nf4_quantize_chunk={peft_config.nf4_quantize_chunk}: must be 0 (torchao 0.1) "
                         "or a chunk size, e.g. 1048576 (torchao >= 0.2)")
-    if peft_config.bnb_keeps_input and (method != "qlora" or peft_config.quant_type.name not in ("nf4", "fp4")):
-        problems.append("peft.bnb_keeps_input=true is bitsandbytes' 4-bit matmul: use peft=qlora with "
-                        "peft.quant_type=nf4 or fp4, or peft.bnb_keeps_input=false")
     if problems:
         raise ConfigError(*problems)
     tm = tuple(peft_config.target_modules) if peft_config.target_modules else None

@@ -790,7 +790,8 @@ def _transformers4_buffers(model) -> None:
 def _rotary_caches(model) -> None:
     """transformers 4.37-4.44's per-layer rotary tables (training.rotary_cache, launcher/config.py):
     `cos_cached` and `sin_cached`, max_position_embeddings x head_dim in the model's dtype, on every
-    attention module (Qwen2RotaryEmbedding `_set_cos_sin_cache`, called from its __init__)."""
+    attention module (Qwen2RotaryEmbedding `_set_cos_sin_cache`, called from its __init__). Added to
+    any attention with an `o_proj` (the Llama-family layout); the knob's source is Qwen2's."""
     import torch
 
     cfg = model.config

@@ -233,7 +233,8 @@ def test_bnb_keeps_input_is_bitsandbytes_qlora_only():
     s = lp.settings_from_config(PeftConfig(method=PeftMethod["qlora"], bnb_keeps_input=True))
     assert s.bnb_keeps_input and lp.trace_fields(s, True, {})["bnb_keeps_input"] is True
     assert lp.trace_fields(lp.LoraSettings(quant_type="nf4"), True, {})["bnb_keeps_input"] is False
-    for bad in (PeftConfig(method=PeftMethod["lora"], bnb_keeps_input=True),
+    for bad in (PeftConfig(method=PeftMethod["none"], bnb_keeps_input=True),
+                PeftConfig(method=PeftMethod["lora"], bnb_keeps_input=True),
                 PeftConfig(method=PeftMethod["qlora"], quant_type=QuantType["gptq_int4"], bnb_keeps_input=True)):
         with pytest.raises(ConfigError, match="peft.bnb_keeps_input=true"):
             lp.settings_from_config(bad)

@@ -225,9 +225,8 @@ def test_bitsandbytes_before_0_43_2_keeps_each_4bit_matmul_input():
     context (MatMul4Bit.forward `ctx.tensors = (A, B)`, 0.43.0 autograd/_functions.py), where 0.43.2
     on keeps `(None, B)`. The real step with the installed bitsandbytes, and again with that one
     line as 0.43.0 had it, grows by what the traced step grows by."""
-    from bitsandbytes.autograd._functions import MatMul4Bit
-
     pytest.importorskip("bitsandbytes.functional")
+    from bitsandbytes.autograd._functions import MatMul4Bit
     base = lora_key(param_dtype="bfloat16", optimizer="none", quant_type="nf4", double_quant=True,
                     adapter_autocast=False, seq_len=64)
     keeps = dataclasses.replace(base, bnb_keeps_input=True)

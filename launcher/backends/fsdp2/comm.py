@@ -5,7 +5,8 @@ Per micro-batch, every `fully_shard` group (each decoder block, and the root):
 - all-gathers its parameters in forward (world x padded shard numel in the param dtype:
   _fsdp_collectives.py `foreach_all_gather`), and again in backward when it resharded after
   forward (the backward prefetch, `_backward_prefetch`): with `reshard_after_forward=True` every
-  block but the last (rules.py `keep_last_block`), never the root (`_lazy_init`);
+  block, but the last one only with fsdp2.keep_last_block=false (rules.py `keep_last_block`), and
+  never the root (`_lazy_init`);
 - reduce-scatters its gradients in backward (`foreach_reduce`, in the reduce dtype), every
   micro-batch (FSDP2's default, the worker's).
 Ring volumes: (n-1)/n x bytes for all-gather and reduce-scatter (launcher/speed.py `ring_time_s`;
