@@ -163,21 +163,21 @@ def kernels_problem(config: LauncherConfig, device: str, env: Env) -> str:
     (training.causal_lm_loss), another loop's kept outputs (training.keep_outputs), transformers
     4's training cache (training.use_cache) and its per-layer rotary tables (training.rotary_cache)
     are planned, never run."""
-    if config.training.causal_lm_loss.name != "model":
-        return (f"training.causal_lm_loss={config.training.causal_lm_loss.name} plans another transformers "
-                "version's loss; the worker runs the installed one: estimate only")
-    if config.training.keep_outputs:
-        return ("training.keep_outputs=true plans a loop that keeps each step's outputs; the worker runs the "
-                "launcher's own loop: estimate only")
-    if config.training.use_cache:
-        return ("training.use_cache=true plans transformers 4's cache of keys and values in training; the worker "
-                "builds the model without it: estimate only")
-    if config.peft.bnb_keeps_input:
-        return ("peft.bnb_keeps_input=true plans bitsandbytes before 0.43.2; the worker runs the installed "
-                "bitsandbytes: estimate only")
-    if config.training.rotary_cache:
-        return ("training.rotary_cache=true plans transformers 4's per-layer rotary tables; the worker runs the "
-                "installed transformers: estimate only")
+    t = config.training
+    planned_only = (  # (set, what it plans and why the worker does not run it)
+        (t.causal_lm_loss.name != "model", f"training.causal_lm_loss={t.causal_lm_loss.name} plans another "
+                                           "transformers version's loss; the worker runs the installed one"),
+        (t.keep_outputs, "training.keep_outputs=true plans a loop that keeps each step's outputs; the worker "
+                         "runs the launcher's own loop"),
+        (t.use_cache, "training.use_cache=true plans transformers 4's cache of keys and values in training; "
+                      "the worker builds the model without it"),
+        (config.peft.bnb_keeps_input, "peft.bnb_keeps_input=true plans bitsandbytes before 0.43.2; the worker "
+                                      "runs the installed bitsandbytes"),
+        (t.rotary_cache, "training.rotary_cache=true plans transformers 4's per-layer rotary tables; the worker "
+                         "runs the installed transformers"))
+    why = next((why for given, why in planned_only if given), "")
+    if why:
+        return why + ": estimate only"
     if not config.training.liger_kernel:
         return ""
     if device != "cuda":
