@@ -248,6 +248,21 @@ def test_eight_gpus_plan_fsdp2_next_to_deepspeed_and_colossalai(cli):
     assert by[("fsdp2", 4)] < by[("fsdp2_grad_op", 4)]
 
 
+def _bf16_mixed_llama(hidden, intermediate, layers, heads, vocab, positions, micro, seq):
+    """A Llama step traced in bf16 (FSDP2's bf16-mixed compute dtype, no optimizer) and its
+    bf16-mixed AdamW workload."""
+    from launcher import trace
+    from launcher.types import Workload
+
+    key = trace.TraceKey(hf_config_json=trace.canonical_config_json(dict(
+        model_type="llama", hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads, vocab_size=vocab, max_position_embeddings=positions)),
+        num_layers=layers, micro_batch_size=micro, seq_len=seq, param_dtype="bfloat16", optimizer="none")
+    wl = Workload(seq_len=seq, micro_batch_size=micro, precision="bf16-mixed", optimizer="adamw_torch",
+                  gradient_checkpointing=False, attn_implementation="sdpa")
+    return key, wl
+
+
 def test_side_stream_buffers_hold_their_own_cache():
     """GPU reserved: FSDP2's all-gather buffers (copy-in stream) and reduce-scatter outputs
     (reduce-scatter stream) are cached apart from the default stream's blocks, so the replay holds
@@ -260,14 +275,9 @@ def test_side_stream_buffers_hold_their_own_cache():
     from launcher.backends.fsdp2.layout import fsdp2_layout, setup
     from launcher.memory.allocator import replay
     from launcher.memory.replay import allocation_events
-    from launcher.types import Workload
 
-    key = trace.TraceKey(hf_config_json=trace.canonical_config_json(dict(
-        model_type="llama", hidden_size=512, intermediate_size=1408, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=8, vocab_size=1024, max_position_embeddings=512)), num_layers=2, micro_batch_size=1,
-        seq_len=128, param_dtype="bfloat16", optimizer="none")
-    wl = Workload(seq_len=128, micro_batch_size=1, precision="bf16-mixed", optimizer="adamw_torch",
-                  gradient_checkpointing=False, attn_implementation="sdpa")
+    key, wl = _bf16_mixed_llama(hidden=512, intermediate=1408, layers=2, heads=8, vocab=1024, positions=512,
+                                micro=1, seq=128)
     lay = fsdp2_layout(trace.trace_step(key), setup(STRATEGIES["fsdp2"], wl, 2, 0))
     streams = {t.name: t.stream for t in lay.terms}
     assert streams["all_gather_output"] == 1 and streams["sharded_grads"] == 2
@@ -291,7 +301,6 @@ def test_the_last_block_kept_unsharded_or_not():
     from launcher.backends.fsdp2.layout import block_events, fsdp2_layout, setup
     from launcher.backends.fsdp2.rules import keep_last_block
     from launcher.memory.common import category_curves
-    from launcher.types import Workload
 
     keep, drop = SimpleNamespace(keep_last_block=True), SimpleNamespace(keep_last_block=False)
     s = STRATEGIES["fsdp2"]
@@ -301,12 +310,8 @@ def test_the_last_block_kept_unsharded_or_not():
     assert resharded_blocks(s, 32, keep_last_block(s, drop)) == 32
     assert resharded_blocks(STRATEGIES["fsdp2_grad_op"], 32) == 0
 
-    key = trace.TraceKey(hf_config_json=trace.canonical_config_json(dict(
-        model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=4, vocab_size=4096, max_position_embeddings=128)), num_layers=3, micro_batch_size=2,
-        seq_len=64, param_dtype="bfloat16", optimizer="none")
-    wl = Workload(seq_len=64, micro_batch_size=2, precision="bf16-mixed", optimizer="adamw_torch",
-                  gradient_checkpointing=False, attn_implementation="sdpa")
+    key, wl = _bf16_mixed_llama(hidden=64, intermediate=128, layers=3, heads=4, vocab=4096, positions=128,
+                                micro=2, seq=64)
     t = trace.trace_step(key)
     lays = {k: fsdp2_layout(t, setup(s, wl, 2, 0, knobs=v)) for k, v in (("keep", keep), ("drop", drop))}
     F, _ = block_events(t)
