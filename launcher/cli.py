@@ -259,6 +259,10 @@ def _explain(err: BaseException) -> str | None:
         hint = did_you_mean(key.rsplit(".", 1)[-1], keys, prefix)
         return f"{key}: unknown key{hint}; valid keys here: {', '.join(keys)}"
     cause = err.__cause__
+    m = re.search(r"Error merging override ([\w.\-]+)=(.*)", text)
+    if m and "is not a ListConfig, list or tuple" in str(cause or ""):  # `key=a` on a list-typed key
+        key, value = m.groups()
+        return f"{key}: takes a list; write it in brackets, e.g. {key}=[{value}]"
     if isinstance(err, ConfigCompositionException) and cause is not None:
         inner = _explain(cause)
         if inner:

@@ -28,6 +28,8 @@ BAD = [
     (["model=tiny-llama", "init.from=/x"], "init: takes one of [random, pretrained]", "init=random"),
     (["model=tiny-llama", "fallback.on=1"], "fallback: takes one bool value, not sub-keys", "fallback=true"),
     (["model=tiny-llama", "gpus.count=2"], "gpus: takes one int value, not sub-keys", "gpus=1"),
+    (["model=tiny-llama", "training.liger_kernels=rope"], "training.liger_kernels: takes a list",
+     "training.liger_kernels=[rope]"),
     (["model=tiny-llama", "data.path=/etc"], "data.path=/etc: a directory but not a datasets.save_to_disk", ".jsonl"),
     (["model=tiny-llama", "data.path=/dev/null"], "data.path=/dev/null: unsupported file type", ".txt"),
     (["model=tiny-llama", "mode=measure", "measure.timing_steps=-1"], "measure.timing_steps=-1", "zero or more"),
