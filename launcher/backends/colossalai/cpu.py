@@ -51,9 +51,12 @@ most a second) makes a CPU run hold what a GPU run holds, and allocates nothing.
 blocking: settled at `wait()` to the count read then, less the references the work took at the
 call, it spun for its full second whenever gloo had already let go (the count fell below the
 caller's own), and once gloo completes a work its future holds the outputs too, so the work's
-references at `wait()` cannot be told from the caller's. A tensor-parallel BLOOM run still reads,
-on one rank in about one run in ten under load, one activation gradient (32,768 bytes) above the
-estimate, with this change or without it and with no settle timing out: that hold is not explained.
+references at `wait()` cannot be told from the caller's. gloo's thread also holds a Python
+reference to the tensor for a while after its C++ references are gone, and drops it only when it
+gets the GIL; settling waits for both counts (launcher/worker/gloo.py). When it waited for the C++
+count alone, a tensor-parallel BLOOM run read, on one rank in 11 of 62 runs here (each of the 11
+while other test processes ran), the column-parallel linear's input gradient (32,768 bytes) above the estimate: the
+caller had dropped it, and gloo's thread (pt_gloo_runloop) freed it past the backward peak.
 
 GeminiPlugin is not made to run: it has no fp32 path on CPU and its bf16 chunk handling fails.
 """
@@ -61,7 +64,7 @@ from __future__ import annotations
 
 import contextlib
 
-from launcher.worker.gloo import settle
+from launcher.worker.gloo import references, settle
 
 
 class _CpuStream:
@@ -209,7 +212,7 @@ class _SettledCollectives:
         def call(*args, **kwargs):
             tensors = [t for a in (*args, *kwargs.values()) for t in (a if isinstance(a, (list, tuple)) else [a])
                        if hasattr(t, "_use_count")]
-            counts = [t._use_count() for t in tensors]
+            counts = references(tensors)
             asked_async = kwargs.pop("async_op", False)
             work = collective(*args, **kwargs)
             settle(tensors, counts)

@@ -78,12 +78,12 @@ def gloo_all_gather():
     import torch.distributed as dist
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 
-    from launcher.worker.gloo import settle
+    from launcher.worker.gloo import references, settle
 
     class SettledAllGather(DefaultAllGather):
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
             tensors = (output_tensor, input_tensor)
-            counts = [t._use_count() for t in tensors]
+            counts = references(tensors)
             work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
             if work is None:  # FSDP2's own unshard; `unshard(async_op=True)` gets gloo's handle
                 settle(tensors, counts)
