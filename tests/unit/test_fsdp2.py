@@ -338,3 +338,23 @@ def test_qlora_with_cpu_offload_is_planned_never_chosen(trace_cache):
     (cand,) = plan.candidates
     assert cand.fits and plan.chosen is None
     assert "estimate only" in cand.reason and cand.memory.host_bytes > 0
+
+
+@pytest.mark.parametrize("strategy,keep", [("fsdp2", True), ("fsdp2", False), ("fsdp2_grad_op", True)])
+def test_exposed_communication_is_at_most_what_is_sent_and_all_of_it_without_compute(strategy, keep):
+    """FSDP2's exposed communication time counts each collective of the step at most once: with no
+    compute to hide behind, every all-gather and reduce-scatter is exposed, and no more; with
+    compute, less. (The backward windows once charged a prefetch in every block's window, one
+    more all-gather than the backward makes: block 0 has no block before it to prefetch.)"""
+    from types import SimpleNamespace
+
+    from launcher.backends.fsdp2.comm import fsdp2_comm
+
+    cluster = SimpleNamespace(num_nodes=1, intra_node_bandwidth_gbps=100.0, collective_latency_s=2e-5,
+                              device="cuda")
+    kw = dict(num_params=7_000_000_000, num_trainable_params=7_000_000_000, num_layers=32, dp=8, accum=2,
+              param_bytes=2, reduce_bytes=4, keep_last=keep)
+    idle = fsdp2_comm(STRATEGIES[strategy], cluster, forward_s=0.0, backward_s=0.0, **kw)
+    assert idle.exposed_s == pytest.approx(idle.raw_s, rel=1e-12)
+    busy = fsdp2_comm(STRATEGIES[strategy], cluster, forward_s=0.5, backward_s=1.0, **kw)
+    assert busy.raw_s == idle.raw_s and busy.exposed_s < busy.raw_s

@@ -18,7 +18,8 @@ group computes (implicit forward prefetch, _fsdp_param_group.py "overlap the nex
 the current all-gather"; explicit backward prefetch of the previous block), and reduce-scatters
 on a separate stream. So per block only what exceeds that block's compute is exposed, plus the
 first all-gather of each pass (nothing to hide it) and the root's reduce-scatter in the final
-callback (after the last compute). On CPU processes (gloo) every collective is synchronous:
+callback (after the last compute). In backward every block but the first prefetches the block
+before it; the first block's window hides only a reduce-scatter. On CPU processes (gloo) every collective is synchronous:
 nothing overlaps.
 
 Tensor parallelism adds the Megatron all-reduces of each layer (launcher/collectives.py
@@ -78,7 +79,9 @@ def fsdp2_comm(strategy: Strategy, cluster, *, num_params: int, num_trainable_pa
     bwd_gather = gather_block if backward_gathers else 0.0
     first_gather = gather_block if backward_gathers == num_layers else 0.0  # a kept last block: none
     exposed_forward = gather_block + (groups - 1) * max(0.0, gather_block - fwd_block)
-    exposed_backward = first_gather + (groups - 1) * max(0.0, bwd_gather + scatter_block - bwd_block) + scatter_block
+    # blocks L-1..1 each prefetch the block before them; block 0 has none to prefetch
+    exposed_backward = (first_gather + (groups - 2) * max(0.0, bwd_gather + scatter_block - bwd_block)
+                        + max(0.0, scatter_block - bwd_block) + scatter_block)
     return FSDP2Comm(raw, (exposed_forward + exposed_backward) * accum)
 
 
