@@ -55,8 +55,9 @@ references at `wait()` cannot be told from the caller's. gloo's thread also hold
 reference to the tensor for a while after its C++ references are gone, and drops it only when it
 gets the GIL; settling waits for both counts (launcher/worker/gloo.py). When it waited for the C++
 count alone, a tensor-parallel BLOOM run read, on one rank in 11 of 62 runs here (each of the 11
-while other test processes ran), the column-parallel linear's input gradient (32,768 bytes) above the estimate: the
-caller had dropped it, and gloo's thread (pt_gloo_runloop) freed it past the backward peak.
+while other test processes ran), the column-parallel linear's input gradient (32,768 bytes) above
+the estimate: the caller had dropped it, and gloo's thread (pt_gloo_runloop) freed it past the
+backward peak.
 
 GeminiPlugin is not made to run: it has no fp32 path on CPU and its bf16 chunk handling fails.
 """

@@ -19,8 +19,8 @@ the current all-gather"; explicit backward prefetch of the previous block), and 
 on a separate stream. So per block only what exceeds that block's compute is exposed, plus the
 first all-gather of each pass (nothing to hide it) and the root's reduce-scatter in the final
 callback (after the last compute). In backward every block but the first prefetches the block
-before it; the first block's window hides only a reduce-scatter. On CPU processes (gloo) every collective is synchronous:
-nothing overlaps.
+before it; the first block's window hides only a reduce-scatter. On CPU processes (gloo) every
+collective is synchronous: nothing overlaps.
 
 Tensor parallelism adds the Megatron all-reduces of each layer (launcher/collectives.py
 `tp_comm_s`).
