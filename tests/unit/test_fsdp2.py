@@ -256,7 +256,8 @@ def _bf16_mixed_llama(hidden, intermediate, layers, heads, vocab, positions, mic
 
     key = trace.TraceKey(hf_config_json=trace.canonical_config_json(dict(
         model_type="llama", hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=heads, vocab_size=vocab, max_position_embeddings=positions)),
+        num_attention_heads=heads, num_key_value_heads=heads, vocab_size=vocab,
+        max_position_embeddings=positions)),
         num_layers=layers, micro_batch_size=micro, seq_len=seq, param_dtype="bfloat16", optimizer="none")
     wl = Workload(seq_len=seq, micro_batch_size=micro, precision="bf16-mixed", optimizer="adamw_torch",
                   gradient_checkpointing=False, attn_implementation="sdpa")
