@@ -159,11 +159,20 @@ class HardwareConfig:
     in HGX/DGX systems). NCCL then backs multicast buffers with device memory for each communicator
     of more than two GPUs of a node (launcher/memory/runtime.py `nvls_bytes`)."""
     nccl_version: Optional[str] = None
-    """The NCCL of the job's torch (`torch.cuda.nccl.version()`), as 'major.minor.patch'. Only
-    the NVLS buffers depend on it: 1.5 GiB per communicator of 8 GPUs up to 2.20, 256 MiB from
-    2.26 (`nvls_bytes`). null = the nvidia-nccl-cu12/cu13 package installed here, which torch's
-    CUDA wheels depend on and the job (started from this environment) loads; without one, 2.27
-    (the series of recent torch wheels, an assumption)."""
+    """The NCCL of the job's torch (`torch.cuda.nccl.version()`), as 'major.minor.patch'. NCCL's
+    buffers per communicator depend on it (launcher/memory/runtime.py `nccl_bytes`: a p2p pool at
+    init from 2.12 until 2.22's lazy connections, 2 MiB cuMem allocations from 2.19) and so do the
+    NVLS buffers (`nvls_bytes`: 1.5 GiB per communicator of 8 GPUs up to 2.20, 256 MiB from 2.26).
+    null = the nvidia-nccl-cu12/cu13 package installed here, which torch's CUDA wheels depend on
+    and the job (started from this environment) loads; without one, 2.27 (the series of recent
+    torch wheels, an assumption)."""
+    nccl_channels: int = 24
+    """NCCL's collective channels between the GPUs of a node (the 'N coll channels' of its
+    NCCL_DEBUG=INFO log); each holds about 12 MiB of buffers per connection pair (`nccl_bytes`)."""
+    nccl_transport: str = "nvlink"
+    """How NCCL links the GPUs of a node: 'nvlink' (peer-to-peer over NVLink or NVSwitch), 'pcie'
+    (peer-to-peer over PCIe) or 'shm' (no peer-to-peer, as on GeForce cards: buffers in host shared
+    memory, none on the GPU)."""
     op_overhead_s: float = 5.0e-6
     """Host time to dispatch one tensor op (Python, dispatcher, allocation, kernel launch), s.
     CPU: measured by mode=calibrate (a chain of tiny ops); it adds to compute time. GPU: launches

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 
 from launcher.config import HardwareConfig
+from launcher.memory.runtime import DEFAULT_NCCL_VERSION
 from launcher.types import Cluster
 
 DEFAULT_PROFILE = "a100-80g"
@@ -80,18 +81,14 @@ def cluster_from(hw: HardwareConfig, num_gpus: int, num_nodes: int, cuda_alloc_c
         collective_gbps={k: {float(mib): float(g) for mib, g in v.items()} for k, v in (hw.collective_gbps or {}).items()},
         attention_tflops={k: float(v) for k, v in (hw.attention_tflops or {}).items()},
         expandable_segments=hw.device == "cuda" and expandable_segments(cuda_alloc_conf),
-        nvls=bool(hw.nvls), nccl_version=job_nccl_version(hw) if hw.device == "cuda" and hw.nvls else None,
+        nvls=bool(hw.nvls), nccl_version=job_nccl_version(hw) if hw.device == "cuda" else None,
+        nccl_channels=int(hw.nccl_channels), nccl_transport=str(hw.nccl_transport),
     )
 
 
 def job_nccl_version(hw: HardwareConfig) -> str:
-    """`hardware.nccl_version`, or when null the installed NCCL wheel's (`installed_nccl_version`).
-    Only the NVLS buffers depend on it, so callers resolve it only for `hardware.nvls` (reading
-    package metadata costs tens of milliseconds)."""
+    """`hardware.nccl_version`, or when null the installed NCCL wheel's (`installed_nccl_version`)."""
     return str(hw.nccl_version) if hw.nccl_version else installed_nccl_version()
-
-
-DEFAULT_NCCL_VERSION = "2.27"  # assumption: the series recent torch CUDA wheels pin (nvidia-nccl-cu12 2.27.x)
 
 
 def installed_nccl_version() -> str:

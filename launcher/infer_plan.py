@@ -110,10 +110,11 @@ def _plan(config, spec) -> dict:
     except ValueError as err:
         raise ConfigError(f"inference.tp_size={inf.tp_size}: {err}") from None
     cuda = hw.device == "cuda"
-    nccl = job_nccl_version(hw) if cuda and hw.nvls else None
-    nvls = runtime.nvls_bytes(inf.tp_size, runtime.nccl_version(nccl)) if nccl else 0
-    outside = (runtime.cuda_context_bytes(hw.cuda_context_bytes)
-               + runtime.nccl_bytes(inf.tp_size) + nvls) if cuda else 0
+    nccl = job_nccl_version(hw) if cuda and inf.tp_size > 1 else None
+    nvls = runtime.nvls_bytes(inf.tp_size, runtime.nccl_version(nccl)) if nccl and hw.nvls else 0
+    group = runtime.nccl_bytes(inf.tp_size, runtime.nccl_version(nccl), int(hw.nccl_channels),
+                               str(hw.nccl_transport)) if nccl else 0
+    outside = (runtime.cuda_context_bytes(hw.cuda_context_bytes) + group + nvls) if cuda else 0
     activation = max(est["prefill_activation_bytes"], est["decode_activation_bytes"])
     total = est["peak_bytes"] + outside
     return {
@@ -131,7 +132,8 @@ def _plan(config, spec) -> dict:
                   "launcher/infer.py",
                   *_cache_notes(inf),
                   "device total = peak tensor bytes + CUDA context"
-                  + (" + NCCL (one process group)" if inf.tp_size > 1 else "")
+                  + (f" + NCCL (one process group: {group / 2**20:.0f} MiB, NCCL {nccl}, {hw.nccl_channels} "
+                     f"channels over {hw.nccl_transport}: runtime.py nccl_bytes)" if group else "")
                   + (f" + its NVLS buffers ({nvls / 2**20:.0f} MiB, NCCL {nccl}: runtime.py nvls_bytes)"
                      if nvls else "")
                   + "; the allocator's reserve above allocated is not included",

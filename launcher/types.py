@@ -61,7 +61,9 @@ class Cluster:
     attention_tflops: dict = field(default_factory=dict)  # dtype -> fused attention TFLOP/s; {} = peak x efficiency
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF expandable_segments:True in the job's environment
     nvls: bool = False  # NVLink SHARP across the node's NVSwitch (HardwareConfig.nvls)
-    nccl_version: Optional[str] = None  # the job's NCCL with nvls (hardware.py job_nccl_version); None without
+    nccl_version: Optional[str] = None  # the job's NCCL on a GPU (hardware.py job_nccl_version); None = runtime.py DEFAULT_NCCL_VERSION
+    nccl_channels: int = 24  # NCCL's collective channels between the node's GPUs (HardwareConfig.nccl_channels)
+    nccl_transport: str = "nvlink"  # how NCCL links the node's GPUs: nvlink | pcie | shm (HardwareConfig.nccl_transport)
 
     @property
     def gpus_per_node(self) -> int:

@@ -72,6 +72,10 @@ def run_problems(c: LauncherConfig) -> list[str]:
             runtime.nccl_version(hw.nccl_version)
     except ValueError as err:
         out.append(f"hardware.nccl_version={hw.nccl_version}: {err}")
+    if hw.nccl_transport not in runtime.NCCL_TRANSPORTS:
+        out.append(f"hardware.nccl_transport={hw.nccl_transport}: must be one of {', '.join(runtime.NCCL_TRANSPORTS)}")
+    if not 1 <= hw.nccl_channels <= 64:
+        out.append(f"hardware.nccl_channels={hw.nccl_channels}: must be 1-64 (the 'coll channels' NCCL logs)")
     out += launch_problems(c)
     return out
 

@@ -104,9 +104,11 @@ def estimate(traces: TraceSet, strategy: Strategy, workload: Workload, cluster: 
             extra["backward"]["buffers"] = extra["backward"].get("buffers", 0) + attention_workspace_bytes
         notes = notes + (FLASH_NOTE if per_call is not None else FLASH_PHASE_NOTE,)
     communicators = backend_of(strategy).communicators(strategy, dp_size)
-    nccl = runtime.communicators_bytes(communicators)
+    nccl = runtime.communicators_bytes(
+        communicators, runtime.nccl_version(cluster.nccl_version or runtime.DEFAULT_NCCL_VERSION),
+        cluster.nccl_channels, cluster.nccl_transport, cluster.gpus_per_node) if cluster.device == "cuda" else 0
     if cluster.device == "cuda" and nccl:
-        notes += (communicators_note(communicators, nccl),)
+        notes += (communicators_note(communicators, nccl, cluster),)
     nvls = nvls_bytes(communicators, cluster)
     if nvls:
         nccl += nvls
@@ -221,12 +223,16 @@ def nvls_bytes(communicators, cluster: Cluster) -> int:
     return out
 
 
-def communicators_note(communicators, nccl: int) -> str:
-    """The NCCL communicators a rank holds (the backend's `communicators`), for the notes."""
+def communicators_note(communicators, nccl: int, cluster: Cluster | None = None) -> str:
+    """The NCCL communicators a rank holds (the backend's `communicators`) and, given the cluster,
+    the NCCL release, channels and transport their buffers assume, for the notes."""
     groups = [n for n in communicators if n > 1]
+    setup = "" if cluster is None else (
+        f" (NCCL {cluster.nccl_version or runtime.DEFAULT_NCCL_VERSION}, {cluster.nccl_channels} channels over "
+        f"{cluster.nccl_transport}: hardware.nccl_version, nccl_channels, nccl_transport)")
     return (f"NCCL: {len(groups)} communicator{'s' if len(groups) > 1 else ''} per rank "
             f"({', '.join(f'{n} ranks' for n in groups)}: the default process group, then any its framework "
-            f"creates), {nccl / 2**20:.0f} MiB outside the allocator.")
+            f"creates), {nccl / 2**20:.0f} MiB outside the allocator{setup}.")
 
 
 def varlen_note(profile: str, batches, held_varlen: int, held_fixed: int) -> str:
@@ -270,6 +276,7 @@ GPU_NOTES = (
     "reports out of memory, CUDACachingAllocator.cpp release_cached_blocks) + CUDA context + NCCL; "
     "device total is what nvidia-smi shows when memory is plentiful.",
     "device total = reserved + CUDA context (hardware setting) + NCCL per communicator "
-    "(544 MiB for 2 ranks, 688 MiB for more: NVIDIA/nccl issue 964).",
+    "(ring and tree buffers of 12 MiB per channel, the p2p pool and cuMem's 2 MiB allocations by NCCL "
+    "release: launcher/memory/runtime.py nccl_bytes).",
     "breakdown: parameters..buffers at the allocated peak; runtime = cuBLAS + context + NCCL.",
 )

@@ -36,15 +36,76 @@ def cuda_context_bytes(cuda_context: int) -> int:
     return int(cuda_context)
 
 
-def nccl_bytes(num_ranks: int) -> int:
-    """NCCL communicator buffers, outside the allocator. Measured per process group on 4xA100 NVLink
-    (NVIDIA/nccl issue 964): 544 MiB with 2 ranks, 688 MiB with more. Assumption: the same figures
-    for every GPU type and NCCL version, MiB as nvidia-smi reports, one communicator per process
-    group (several: `communicators_bytes`), none with a single rank (no collective runs). NVLS
-    buffers on NVSwitch nodes come on top (`nvls_bytes`)."""
+NCCL_TRANSPORTS = ("nvlink", "pcie", "shm")
+DEFAULT_NCCL_VERSION = "2.27"  # assumption: the series recent torch CUDA wheels pin (nvidia-nccl-cu12 2.27.x)
+CUMEM_GRANULARITY = 2 * MIB  # cuMemGetAllocationGranularity(MINIMUM) on NVIDIA GPUs, as CUDA_IPC_MIN
+
+
+def _up(n: int, g: int) -> int:
+    return -(-n // g) * g
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def nccl_bytes(num_ranks: int, version: tuple[int, int] = (2, 27), channels: int = 24,
+               transport: str = "nvlink", num_nodes: int = 1, chain_head: bool = False) -> int:
+    """Device memory one NCCL communicator of `num_ranks` ranks holds on the worst-off rank, outside
+    the caching allocator, from NVIDIA/nccl's source (src/ of each release tag):
+    - ring: every channel connects one send and one receive (`ncclTransportRingConnect`). Over
+      the P2P transport (NVLink or PCIe peer-to-peer) the receiver allocates the LL 512 KiB, LL128
+      4.6875 MiB and Simple 4 MiB (NCCL_BUFFSIZE) buffers and the sender a 4 KiB header, each
+      rounded up to CUDA_IPC_MIN 2 MiB: 10 + 2 MiB (transport/p2p.cc p2pRecvSetup/p2pSendSetup,
+      include/comm.h CUDA_IPC_MIN); with P2P read (A100 over NVLink, graph/paths.cc) the Simple
+      buffer moves to the sender: 6 + 6 MiB. 12 MiB per channel either way. The shm transport
+      (GPUs without peer-to-peer, such as GeForce cards) keeps its buffers in host memory;
+    - tree: with 3 or more ranks the chain of each channel (`ncclTransportTreeConnect`) adds the
+      connections the ring did not make: a middle rank of the chain sends to its parent and
+      receives from its child besides its ring pair, 12 MiB per channel (the chain head, with
+      `chain_head`: one connection, 6 MiB under P2P read, else up to 10 MiB);
+    - a pool of p2p buffers set up at init (`ncclProxyMsgSharedInit` in init.cc, from 2.12;
+      transport/net.cc `sharedNetBuffersInit`, allocated on the GPU): p2p channels (the channel
+      count rounded up to a power of two, graph/paths.cc `ncclTopoComputeP2pChannels`) x 2 MiB up
+      to 2.15, x NCCL_SHARED_STEPS 16 x the p2p chunk from 2.16 (512 KiB within an NVLink node,
+      128 KiB over PCIe or across nodes: init.cc P2pNvlChunkSize/P2pPciChunkSize/P2pNetChunkSize).
+      From 2.22, with cuMem, connections are made at the first operation that needs them
+      (NCCL_RUNTIME_CONNECT=1) and a step of collectives never sets the pool up;
+    - cuMem from 2.19 (NCCL_CUMEM_ENABLE is auto-enabled since 2.19, NCCL environment variables
+      documentation): every device allocation is its own cuMemCreate rounded up to the 2 MiB
+      granularity (include/alloc.h `ncclCuMemAlloc`), so the three small per-channel arrays
+      `initChannel` allocates for every p2p channel (channel.cc: devPeers of the shared resources
+      and of the channel, devRingUserRanks) and the device communicator (init.cc
+      devCommAndChans) take 2 MiB each.
+    `channels` is the collective channel count NCCL's search gives (execution channels, twice the
+    search channels: NVIDIA/nccl issue 1041) and `transport` the link ('nvlink', 'pcie', 'shm'),
+    both per hardware profile. Measured check: NVIDIA/nccl issue 964 (4 x A100 NVLink, NCCL 2.18
+    or older; its channel count is not logged, 24 is what NCCL logs for A100s on NVSwitch) read 544
+    MiB for a communicator of 2 ranks and 688 MiB for more on rank 0 (the chain head): 24 x 12 +
+    32 x 16 x 512 KiB = 544 MiB, + 24 x 6 = 688 MiB. A
+    communicator across nodes is counted with the same channels and per-channel buffers
+    (assumption: NCCL's network transport allocates comparable receive buffers and uses no more
+    channels than within a node); NVLS buffers come on top (`nvls_bytes`). No collective runs
+    with a single rank: 0."""
     if num_ranks <= 1:
         return 0
-    return 544 * MIB if num_ranks == 2 else 688 * MIB
+    if transport not in NCCL_TRANSPORTS:
+        raise ValueError(f"'{transport}' is not an NCCL transport; use one of {', '.join(NCCL_TRANSPORTS)}")
+    p2p = transport != "shm"
+    out = channels * 12 * MIB if p2p else 0  # ring
+    if num_ranks >= 3 and p2p:
+        out += channels * ((6 if transport == "nvlink" else 10) if chain_head else 12) * MIB  # tree
+    p2p_channels = _next_pow2(channels)
+    cumem = version >= (2, 19)
+    if version >= (2, 12) and not (cumem and version >= (2, 22)):
+        if version < (2, 16):
+            out += p2p_channels * 2 * MIB
+        else:
+            chunk = 512 * 1024 if transport == "nvlink" and num_nodes == 1 else 128 * 1024
+            out += p2p_channels * 16 * chunk
+    if cumem:
+        out += (3 * p2p_channels + 1) * CUMEM_GRANULARITY
+    return out
 
 
 NVLS_CHANNELS = 16  # NCCL_NVLS_NCHANNELS default (2.17-2.24), NVLS_NCHANNELS_SM90 on Hopper (2.25+)
@@ -100,15 +161,17 @@ def nvls_bytes(local_ranks: int, version: tuple[int, int], num_nodes: int = 1) -
     else:
         data, credit = channels * 2 * 1 * MIB * heads, channels * 2 * 64 * heads
     gran = NVLS_MULTICAST_GRANULARITY if version < (2, 26) else NVLS_ALLOC_GRANULARITY
-    up = lambda n, g: -(-n // g) * g  # noqa: E731
-    return up(data, gran) + up(credit, NVLS_ALLOC_GRANULARITY)
+    return _up(data, gran) + _up(credit, NVLS_ALLOC_GRANULARITY)
 
 
-def communicators_bytes(communicators) -> int:
+def communicators_bytes(communicators, version: tuple[int, int] = (2, 27), channels: int = 24,
+                       transport: str = "nvlink", gpus_per_node: int | None = None) -> int:
     """NCCL buffers of every communicator a rank holds, given as their rank counts (a backend's
     `communicators`: the default process group and each group its framework creates; issue 864 of
-    NVIDIA/nccl reports about 6 GB with three or more), each at `nccl_bytes`."""
-    return sum(nccl_bytes(n) for n in communicators)
+    NVIDIA/nccl reports about 6 GB with three or more), each at `nccl_bytes`; a communicator of
+    more ranks than `gpus_per_node` spans nodes."""
+    per_node = gpus_per_node or max(communicators, default=1)
+    return sum(nccl_bytes(n, version, channels, transport, -(-n // per_node)) for n in communicators)
 
 
 def flash_attention_backward_bytes(batch: int, seq_len: int, num_heads: int, num_kv_heads: int,

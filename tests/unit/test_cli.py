@@ -44,6 +44,8 @@ BAD = [
     (["model=tiny-llama", "hydra.run.dir=/dev/null/run"], "hydra.run.dir=/dev/null/run", "is a file"),
     (["model=tiny-llama", "hardware=h100-80g", "hardware.nccl_version=2.20"], "hardware.nccl_version=2.2", "2.20.5"),
     (["model=tiny-llama", "hardware.nccl_version=two"], "hardware.nccl_version=two", "2.27.5"),
+    (["model=tiny-llama", "hardware=a100-80g", "hardware.nccl_transport=ib"], "hardware.nccl_transport=ib", "nvlink, pcie, shm"),
+    (["model=tiny-llama", "hardware=a100-80g", "hardware.nccl_channels=0"], "hardware.nccl_channels=0", "1-64"),
     (["model=tiny-llama", "gpus=2", "strategy=fsdp1", "peft=qlora", "training.seq_len=64"],
      "strategy=fsdp1 does not run peft=qlora", "use strategy=fsdp2"),
 ]

@@ -188,7 +188,8 @@ def test_trace_request_follows_each_framework():
 
 
 def test_gpu_estimate_adds_runtime_terms_and_reserved_covers_allocated():
-    gpu = Cluster("a100", "cuda", 2, 1, 80 * 2**30, 2**38, {}, 0.5, 1, 1, 1, 1, 80, 768 * 2**20)
+    gpu = Cluster("a100", "cuda", 2, 1, 80 * 2**30, 2**38, {}, 0.5, 1, 1, 1, 1, 80, 768 * 2**20,
+                  nccl_version="2.18.1")
     traces = TraceSet(synthetic_trace(1), synthetic_trace(2), 4)
     cpu = estimate(traces, Strategy("ddp", "ddp"), WL32, CPU, registry_knobs(), 2)
     est = estimate(traces, Strategy("ddp", "ddp"), WL32, gpu, registry_knobs(), 2)
@@ -212,21 +213,86 @@ def test_gpu_estimate_adds_runtime_terms_and_reserved_covers_allocated():
     (Strategy("cai_pp", "colossalai", pp_size=4), 1, [4, 2, 2]),  # a middle stage: two send/recv pairs
 ], ids=["ddp", "zero2", "zero3", "fsdp2", "fsdp2_tp", "fsdp2_tp_dp1", "cai_zero2", "cai_tp", "cai_pp"])
 def test_device_total_counts_the_nccl_communicators_each_framework_creates(strategy, dp, groups):
-    """NCCL buffers live outside the allocator, once per communicator (NVIDIA/nccl issue 964: 544 MiB
-    with 2 ranks, 688 MiB with more); which communicators a rank holds follows the framework's
-    source (see each `groups` comment), not one per run."""
+    """NCCL buffers live outside the allocator, once per communicator (NVIDIA/nccl issue 964, 4 x A100
+    NVLink with an NCCL of 2023: 544 MiB with 2 ranks, 688 MiB with more on rank 0, the head of each
+    channel's tree chain; a middle rank of the chain holds one more 6 MiB connection per channel of
+    the 24); which communicators a rank holds follows the framework's source (see each `groups`
+    comment), not one per run."""
     from launcher.memory.estimate import communicators_note
     from launcher.backends.registry import backend_of
 
-    nccl = sum((544 if n == 2 else 688) * 2**20 for n in groups)
+    nccl = sum((544 if n == 2 else 688 + 24 * 6) * 2**20 for n in groups)
     held = backend_of(strategy).communicators(strategy, dp)
     assert sorted(n for n in held if n > 1) == sorted(groups)  # single-rank groups hold no buffers
     assert communicators_note(held, nccl).startswith(f"NCCL: {len(groups)} communicator")
     if strategy.backend in ("ddp", "deepspeed"):  # the whole estimate: NCCL adds to the device total only
-        gpu = Cluster("a100", "cuda", dp, 1, 80 * 2**30, 2**38, {}, 0.5, 1, 1, 1, 1, 80, 768 * 2**20)
+        gpu = Cluster("a100", "cuda", dp, 1, 80 * 2**30, 2**38, {}, 0.5, 1, 1, 1, 1, 80, 768 * 2**20,
+                      nccl_version="2.18.1")
         traces = TraceSet(synthetic_trace(1, optimizer=False), synthetic_trace(2, optimizer=False), 4)
         est = estimate(traces, strategy, WL32, gpu, registry_knobs(), dp)
         assert est.device_total_bytes - est.peak_reserved_bytes - 768 * 2**20 == nccl
+
+
+def test_nccl_buffers_per_communicator_match_what_was_measured_on_a100():
+    """One communicator's device memory (runtime.py `nccl_bytes`) against NVIDIA/nccl issue 964:
+    4 x A100 with NVLink, an NCCL of August 2023 (2.18 or older; cuMem was off by default before
+    2.19, NCCL environment variable docs), 544 MiB for a 2-rank process group and 688 MiB on rank 0
+    for one of more ranks. The issue does not log its channels; 24 is what NCCL logs for A100s on
+    NVSwitch (NVIDIA/nccl-tests issue 100), and both figures come out of it."""
+    from launcher.memory.runtime import nccl_bytes
+
+    mib = 2**20
+    for version in ((2, 16), (2, 17), (2, 18)):  # the releases with the 512 KiB NVLink p2p chunk
+        assert nccl_bytes(2, version, 24, "nvlink") == 544 * mib
+        assert nccl_bytes(3, version, 24, "nvlink", chain_head=True) == 688 * mib
+        assert nccl_bytes(4, version, 24, "nvlink", chain_head=True) == 688 * mib
+    assert nccl_bytes(1, (2, 18), 24, "nvlink") == 0  # a single rank runs no collective
+
+
+def test_nccl_buffers_follow_channels_transport_and_release():
+    """The mechanisms of `nccl_bytes`, each against the NCCL source it cites: ring buffers scale with
+    the channels (NVIDIA/nccl issue 986: 'memory usage is linearly tied to the number of channels');
+    shm keeps them in host memory; the init-time p2p pool appears in 2.12 and leaves with 2.22's
+    runtime connect; cuMem (2.19+) rounds every small allocation up to 2 MiB."""
+    from launcher.memory.runtime import nccl_bytes
+
+    mib = 2**20
+    # a 2-rank ring on 2.10 (before the pool, before cuMem) is 12 MiB per channel and nothing else
+    assert nccl_bytes(2, (2, 10), 24, "nvlink") == 24 * 12 * mib
+    assert nccl_bytes(2, (2, 10), 2, "pcie") == 2 * 12 * mib
+    assert nccl_bytes(2, (2, 10), 2, "shm") == 0
+    # the pool: 2 MiB per p2p channel (the channels rounded up to a power of two) before 2.16
+    assert nccl_bytes(2, (2, 12), 24, "nvlink") - nccl_bytes(2, (2, 11), 24, "nvlink") == 32 * 2 * mib
+    # from 2.16, 16 chunks per p2p channel: 512 KiB within an NVLink node, 128 KiB over PCIe
+    assert nccl_bytes(2, (2, 16), 24, "nvlink") - nccl_bytes(2, (2, 11), 24, "nvlink") == 32 * 8 * mib
+    assert nccl_bytes(2, (2, 16), 2, "pcie") - nccl_bytes(2, (2, 11), 2, "pcie") == 2 * 2 * mib
+    assert nccl_bytes(16, (2, 16), 24, "nvlink", num_nodes=2) - nccl_bytes(16, (2, 11), 24, "nvlink", 2) == 32 * 2 * mib
+    # cuMem from 2.19: three 2 MiB arrays per p2p channel and the device communicator
+    assert nccl_bytes(2, (2, 19), 24, "nvlink") - nccl_bytes(2, (2, 18), 24, "nvlink") == (3 * 32 + 1) * 2 * mib
+    # 2.22 connects at the first operation that needs it: a step of collectives makes no pool
+    assert nccl_bytes(2, (2, 19), 24, "nvlink") - nccl_bytes(2, (2, 22), 24, "nvlink") == 32 * 8 * mib
+    # the worst rank of a longer chain is a middle one: a send and a receive beyond its ring pair
+    assert nccl_bytes(8, (2, 18), 24, "nvlink") - nccl_bytes(2, (2, 18), 24, "nvlink") == 24 * 12 * mib
+    with pytest.raises(ValueError, match="nvlink, pcie, shm"):
+        nccl_bytes(2, (2, 18), 2, "ethernet")
+
+
+def test_device_total_takes_nccl_channels_transport_and_release_from_the_cluster():
+    """Two PCIe GPUs with torch 1.12's NCCL 2.10.3 (2 channels: NVIDIA/nccl issue 1190) hold 24 MiB
+    per communicator, not the A100 NVLink figure; GPUs without peer-to-peer (shm) hold none of the
+    ring buffers on the device; the note names what was assumed."""
+    traces = TraceSet(synthetic_trace(1, optimizer=False), synthetic_trace(2, optimizer=False), 4)
+
+    def outside(**nccl):
+        gpu = Cluster("titan", "cuda", 2, 1, 24 * 2**30, 2**38, {}, 0.5, 1, 1, 1, 1, 75, 768 * 2**20, **nccl)
+        est = estimate(traces, Strategy("ddp", "ddp"), WL32, gpu, registry_knobs(), 2)
+        return est.device_total_bytes - est.peak_reserved_bytes - 768 * 2**20, est.notes
+
+    nccl, notes = outside(nccl_version="2.10.3", nccl_channels=2, nccl_transport="pcie")
+    assert nccl == 24 * 2**20
+    assert any("(NCCL 2.10.3, 2 channels over pcie" in n for n in notes)
+    assert outside(nccl_version="2.10.3", nccl_channels=2, nccl_transport="shm")[0] == 0
+    assert outside(nccl_version="2.18.1")[0] == 544 * 2**20  # the defaults: 24 channels over NVLink
 
 
 def test_nvls_buffers_match_what_nccl_logged():
@@ -251,7 +317,7 @@ def test_device_total_adds_nvls_buffers_per_communicator_on_nvswitch_gpus(nvls, 
     outside the allocator: ZeRO-3 on 8 GPUs holds two communicators (the default group and
     DeepSpeed's clone), each with 8 GPUs on the node. Reserved does not change; the device total
     and what the step needs do."""
-    base = Cluster("h100", "cuda", 8, 1, 80 * 2**30, 2**38, {}, 0.5, 1, 1, 1, 1, 90, 2**30)
+    base = Cluster("h100", "cuda", 8, 1, 80 * 2**30, 2**38, {}, 0.5, 1, 1, 1, 1, 90, 2**30, nccl_version=version)
     gpu = Cluster("h100", "cuda", 8, 1, 80 * 2**30, 2**38, {}, 0.5, 1, 1, 1, 1, 90, 2**30, nvls=nvls,
                   nccl_version=version)
     from launcher.memory.runtime import nccl_version, nvls_bytes
