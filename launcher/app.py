@@ -109,8 +109,10 @@ def main(cfg: DictConfig) -> None:
     note = other_machine_note(config.hardware)
     if note and config.report.name != "json":
         print(report.wrapped(note), file=sys.stderr)
-    # the job inherits this environment (torchrun, sbatch): its allocator settings shape peak reserved
-    cluster = cluster_from(config.hardware, config.gpus, config.nodes, os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+    # the job inherits this environment (torchrun, sbatch): its allocator settings shape peak reserved,
+    # its NCCL settings NCCL's buffers
+    cluster = cluster_from(config.hardware, config.gpus, config.nodes, os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+                           os.environ)
 
     where = f"{config.gpus} CPU processes" if cluster.device == "cpu" else f"{config.gpus} x {config.hardware.name}"
     with working(f"planning {spec.name} on {where}: tracing the model, estimating every strategy"):

@@ -168,7 +168,10 @@ class HardwareConfig:
     torch wheels, an assumption)."""
     nccl_channels: int = 24
     """NCCL's collective channels between the GPUs of a node (the 'N coll channels' of its
-    NCCL_DEBUG=INFO log); each holds about 12 MiB of buffers per connection pair (`nccl_bytes`)."""
+    NCCL_DEBUG=INFO log); each holds about 12 MiB of buffers per connection pair (`nccl_bytes`).
+    NCCL_MIN_NCHANNELS / NCCL_MAX_NCHANNELS in the environment the job inherits clamp it, and
+    NCCL_BUFFSIZE, NCCL_CUMEM_ENABLE, NCCL_RUNTIME_CONNECT, NCCL_NVLS_ENABLE, NCCL_P2P_DISABLE and
+    NCCL_P2P_LEVEL there change the buffers as NCCL would (`runtime.py nccl_env`)."""
     nccl_transport: str = "nvlink"
     """How NCCL links the GPUs of a node: 'nvlink' (peer-to-peer over NVLink or NVSwitch), 'pcie'
     (peer-to-peer over PCIe) or 'shm' (no peer-to-peer, as on GeForce cards: buffers in host shared

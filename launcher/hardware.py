@@ -6,7 +6,7 @@ import shutil
 import subprocess
 
 from launcher.config import HardwareConfig
-from launcher.memory.runtime import DEFAULT_NCCL_VERSION
+from launcher.memory.runtime import DEFAULT_NCCL_VERSION, nccl_env
 from launcher.types import Cluster
 
 DEFAULT_PROFILE = "a100-80g"
@@ -62,9 +62,11 @@ def expandable_segments(cuda_alloc_conf: str | None) -> bool:
     return value == "True"
 
 
-def cluster_from(hw: HardwareConfig, num_gpus: int, num_nodes: int, cuda_alloc_conf: str | None = None) -> Cluster:
+def cluster_from(hw: HardwareConfig, num_gpus: int, num_nodes: int, cuda_alloc_conf: str | None = None,
+                 environ=None) -> Cluster:
     """The devices a plan runs on; `cuda_alloc_conf`: the PYTORCH_CUDA_ALLOC_CONF the job will run
-    with (the caller's environment, which torchrun and sbatch hand down)."""
+    with, and `environ` the environment whose NCCL_* variables it will run with (the caller's
+    environment, which torchrun and sbatch hand down); None = NCCL's defaults."""
     return Cluster(
         hardware=hw.name, device=hw.device, num_gpus=num_gpus, num_nodes=num_nodes,
         memory_bytes=int(hw.memory_bytes), host_memory_bytes=int(hw.host_memory_bytes),
@@ -83,6 +85,7 @@ def cluster_from(hw: HardwareConfig, num_gpus: int, num_nodes: int, cuda_alloc_c
         expandable_segments=hw.device == "cuda" and expandable_segments(cuda_alloc_conf),
         nvls=bool(hw.nvls), nccl_version=job_nccl_version(hw) if hw.device == "cuda" else None,
         nccl_channels=int(hw.nccl_channels), nccl_transport=str(hw.nccl_transport),
+        nccl_env=nccl_env(environ) if hw.device == "cuda" and environ else None,
     )
 
 

@@ -106,7 +106,8 @@ def estimate(traces: TraceSet, strategy: Strategy, workload: Workload, cluster: 
     communicators = backend_of(strategy).communicators(strategy, dp_size)
     nccl = runtime.communicators_bytes(
         communicators, runtime.nccl_version(cluster.nccl_version or runtime.DEFAULT_NCCL_VERSION),
-        cluster.nccl_channels, cluster.nccl_transport, cluster.gpus_per_node) if cluster.device == "cuda" else 0
+        cluster.nccl_channels, cluster.nccl_transport, cluster.gpus_per_node, p2p_read=cluster.sm_arch == 80,
+        env=cluster.nccl_env or runtime.NcclEnv()) if cluster.device == "cuda" else 0
     if cluster.device == "cuda" and nccl:
         notes += (communicators_note(communicators, nccl, cluster),)
     nvls = nvls_bytes(communicators, cluster)
@@ -212,10 +213,11 @@ def _estimate(traces: TraceSet, layouts: list, notes, gathered, extra: dict, clu
 def nvls_bytes(communicators, cluster: Cluster) -> int:
     """NVLS multicast buffers of every communicator a rank holds (runtime.py `nvls_bytes`) on a
     GPU system with NVLink SHARP: a communicator of n ranks spans min(n, GPUs per node) GPUs of
-    each of its nodes."""
-    if cluster.device != "cuda" or not cluster.nvls:
+    each of its nodes; none with NCCL_NVLS_ENABLE=0 in the job's environment."""
+    if cluster.device != "cuda" or not cluster.nvls or not (cluster.nccl_env or runtime.NcclEnv()).nvls:
         return 0
-    version, per_node = runtime.nccl_version(cluster.nccl_version), cluster.gpus_per_node
+    version = runtime.nccl_version(cluster.nccl_version or runtime.DEFAULT_NCCL_VERSION)
+    per_node = cluster.gpus_per_node
     out = 0
     for n in communicators:
         local = min(n, per_node)
@@ -227,9 +229,10 @@ def communicators_note(communicators, nccl: int, cluster: Cluster | None = None)
     """The NCCL communicators a rank holds (the backend's `communicators`) and, given the cluster,
     the NCCL release, channels and transport their buffers assume, for the notes."""
     groups = [n for n in communicators if n > 1]
+    env = "" if cluster is None else runtime.nccl_env_note(cluster.nccl_env or runtime.NcclEnv())
     setup = "" if cluster is None else (
         f" (NCCL {cluster.nccl_version or runtime.DEFAULT_NCCL_VERSION}, {cluster.nccl_channels} channels over "
-        f"{cluster.nccl_transport}: hardware.nccl_version, nccl_channels, nccl_transport)")
+        f"{cluster.nccl_transport}: hardware.nccl_version, nccl_channels, nccl_transport{'; ' + env if env else ''})")
     return (f"NCCL: {len(groups)} communicator{'s' if len(groups) > 1 else ''} per rank "
             f"({', '.join(f'{n} ranks' for n in groups)}: the default process group, then any its framework "
             f"creates), {nccl / 2**20:.0f} MiB outside the allocator{setup}.")

@@ -4,6 +4,8 @@ in each docstring. None of these apply to CPU processes (gloo, no CUDA runtime).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 MIB = 2**20
 ALLOCATOR_ROUNDING_BYTES = 512  # c10/cuda/CUDACachingAllocator.cpp kMinBlockSize
 
@@ -38,7 +40,62 @@ def cuda_context_bytes(cuda_context: int) -> int:
 
 NCCL_TRANSPORTS = ("nvlink", "pcie", "shm")
 DEFAULT_NCCL_VERSION = "2.27"  # assumption: the series recent torch CUDA wheels pin (nvidia-nccl-cu12 2.27.x)
+CUDA_IPC_MIN = 2 * MIB  # include/comm.h: P2P buffers are rounded up to it
 CUMEM_GRANULARITY = 2 * MIB  # cuMemGetAllocationGranularity(MINIMUM) on NVIDIA GPUs, as CUDA_IPC_MIN
+LL_BUFFSIZE = 8 * 512 * 8 * 16  # init.cc DEFAULT_LL_BUFFSIZE: LL lines/thread x threads x NCCL_STEPS x 16 B = 512 KiB
+LL128_BUFFSIZE = 120 * 640 * 8 * 8  # DEFAULT_LL128_BUFFSIZE: elements/thread x threads x NCCL_STEPS x 8 B = 4.6875 MiB
+SIMPLE_BUFFSIZE = 4 * MIB  # DEFAULT_BUFFSIZE, NCCL_BUFFSIZE
+CONNECTION_HEADER = 4096  # include/comm.h ncclSendMem / ncclRecvMem: padded to MEM_ALIGN
+
+
+@dataclass(frozen=True)
+class NcclEnv:
+    """The NCCL environment variables of the job (it inherits the planner's environment) that change
+    how much device memory a communicator holds; None or the default = NCCL's own default."""
+
+    buffsize: int | None = None  # NCCL_BUFFSIZE: the Simple protocol's buffer per connection
+    cumem: bool | None = None  # NCCL_CUMEM_ENABLE (2.18+; auto-enabled from 2.19)
+    runtime_connect: bool = True  # NCCL_RUNTIME_CONNECT (2.22+)
+    min_channels: int | None = None  # NCCL_MIN_NCHANNELS
+    max_channels: int | None = None  # NCCL_MAX_NCHANNELS
+    nvls: bool = True  # NCCL_NVLS_ENABLE=0 turns NVLink SHARP off
+    p2p: bool = True  # NCCL_P2P_DISABLE=1 or NCCL_P2P_LEVEL=LOC: peer-to-peer off, shm instead
+
+
+NCCL_ENV_KEYS = ("NCCL_BUFFSIZE", "NCCL_CUMEM_ENABLE", "NCCL_RUNTIME_CONNECT", "NCCL_MIN_NCHANNELS",
+                 "NCCL_MAX_NCHANNELS", "NCCL_NVLS_ENABLE", "NCCL_P2P_DISABLE", "NCCL_P2P_LEVEL")
+
+
+def nccl_env(environ) -> NcclEnv:
+    """The memory-relevant NCCL settings in `environ` (a mapping such as os.environ). A value NCCL
+    could not parse as an integer leaves its default, as NCCL does (misc/param.cc, `ncclLoadParam`:
+    'Invalid value ... using default')."""
+    def number(key):
+        try:
+            return int(str(environ[key]).strip(), 0)
+        except (KeyError, ValueError):
+            return None
+
+    cumem, runtime, nvls, p2p_off = (number(k) for k in ("NCCL_CUMEM_ENABLE", "NCCL_RUNTIME_CONNECT",
+                                                            "NCCL_NVLS_ENABLE", "NCCL_P2P_DISABLE"))
+    buffsize, low, high = (number(k) for k in ("NCCL_BUFFSIZE", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS"))
+    level = str(environ.get("NCCL_P2P_LEVEL", "")).strip().upper()
+    return NcclEnv(buffsize=buffsize if buffsize and buffsize > 0 else None,
+                   cumem=None if cumem is None or cumem < 0 else bool(cumem),
+                   runtime_connect=runtime != 0, min_channels=low if low and low > 0 else None,
+                   max_channels=high if high and high > 0 else None, nvls=nvls != 0,
+                   p2p=not (p2p_off or level in ("LOC", "0")))
+
+
+def nccl_env_note(env: NcclEnv) -> str:
+    """The NCCL settings a plan took from the environment, for its notes ('' with none)."""
+    default = NcclEnv()
+    names = {"buffsize": "NCCL_BUFFSIZE", "cumem": "NCCL_CUMEM_ENABLE", "runtime_connect": "NCCL_RUNTIME_CONNECT",
+             "min_channels": "NCCL_MIN_NCHANNELS", "max_channels": "NCCL_MAX_NCHANNELS", "nvls": "NCCL_NVLS_ENABLE",
+             "p2p": "NCCL_P2P_DISABLE/NCCL_P2P_LEVEL"}
+    changed = [f"{names[k]} ({'on' if v is True else 'off' if v is False else v})"
+               for k, v in vars(env).items() if v != getattr(default, k)]
+    return "from the environment the job inherits: " + ", ".join(changed) if changed else ""
 
 
 def _up(n: int, g: int) -> int:
@@ -50,59 +107,73 @@ def _next_pow2(n: int) -> int:
 
 
 def nccl_bytes(num_ranks: int, version: tuple[int, int] = (2, 27), channels: int = 24,
-               transport: str = "nvlink", num_nodes: int = 1, chain_head: bool = False) -> int:
+               transport: str = "nvlink", num_nodes: int = 1, chain_head: bool = False,
+               p2p_read: bool = False, env: NcclEnv = NcclEnv()) -> int:
     """Device memory one NCCL communicator of `num_ranks` ranks holds on the worst-off rank, outside
     the caching allocator, from NVIDIA/nccl's source (src/ of each release tag):
     - ring: every channel connects one send and one receive (`ncclTransportRingConnect`). Over
-      the P2P transport (NVLink or PCIe peer-to-peer) the receiver allocates the LL 512 KiB, LL128
-      4.6875 MiB and Simple 4 MiB (NCCL_BUFFSIZE) buffers and the sender a 4 KiB header, each
-      rounded up to CUDA_IPC_MIN 2 MiB: 10 + 2 MiB (transport/p2p.cc p2pRecvSetup/p2pSendSetup,
-      include/comm.h CUDA_IPC_MIN); with P2P read (A100 over NVLink, graph/paths.cc) the Simple
-      buffer moves to the sender: 6 + 6 MiB. 12 MiB per channel either way. The shm transport
-      (GPUs without peer-to-peer, such as GeForce cards) keeps its buffers in host memory;
+      the P2P transport (NVLink or PCIe peer-to-peer) the receiver allocates a 4 KiB header and the
+      LL 512 KiB, LL128 4.6875 MiB and Simple 4 MiB (NCCL_BUFFSIZE) buffers, the sender a 4 KiB
+      header, each rounded up to CUDA_IPC_MIN 2 MiB: 10 + 2 MiB (transport/p2p.cc p2pRecvSetup/
+      p2pSendSetup, include/comm.h CUDA_IPC_MIN, init.cc DEFAULT_*BUFFSIZE); with P2P read
+      (`p2p_read`: GPUs of compute capability 8.0 over NVLink, graph/paths.cc p2pGetInfo) the
+      Simple buffer moves to the sender: 6 + 6 MiB. The shm transport (GPUs without peer-to-peer,
+      such as GeForce cards) keeps its buffers in host memory;
     - tree: with 3 or more ranks the chain of each channel (`ncclTransportTreeConnect`) adds the
       connections the ring did not make: a middle rank of the chain sends to its parent and
-      receives from its child besides its ring pair, 12 MiB per channel (the chain head, with
-      `chain_head`: one connection, 6 MiB under P2P read, else up to 10 MiB);
+      receives from its child besides its ring pair (12 MiB per channel); the chain head (with
+      `chain_head`) adds one connection;
     - a pool of p2p buffers set up at init (`ncclProxyMsgSharedInit` in init.cc, from 2.12;
       transport/net.cc `sharedNetBuffersInit`, allocated on the GPU): p2p channels (the channel
-      count rounded up to a power of two, graph/paths.cc `ncclTopoComputeP2pChannels`) x 2 MiB up
-      to 2.15, x NCCL_SHARED_STEPS 16 x the p2p chunk from 2.16 (512 KiB within an NVLink node,
-      128 KiB over PCIe or across nodes: init.cc P2pNvlChunkSize/P2pPciChunkSize/P2pNetChunkSize).
-      From 2.22, with cuMem, connections are made at the first operation that needs them
-      (NCCL_RUNTIME_CONNECT=1) and a step of collectives never sets the pool up;
-    - cuMem from 2.19 (NCCL_CUMEM_ENABLE is auto-enabled since 2.19, NCCL environment variables
-      documentation): every device allocation is its own cuMemCreate rounded up to the 2 MiB
-      granularity (include/alloc.h `ncclCuMemAlloc`), so the three small per-channel arrays
+      count rounded up to a power of two, graph/paths.cc `ncclTopoComputeP2pChannels`) x 2 x the
+      Simple buffer / 4 (SENDRECV_SLICEFACTOR) in 2.12-2.13, x 16 x the 128 KiB p2p net chunk in
+      2.14-2.15, x NCCL_SHARED_STEPS 16 x the p2p chunk from 2.16 (512 KiB within an NVLink node,
+      128 KiB over PCIe or across nodes, at most the Simple buffer / NCCL_STEPS: init.cc
+      P2pNvlChunkSize/P2pPciChunkSize/P2pNetChunkSize). From 2.22, with cuMem, connections are made
+      at the first operation that needs them (NCCL_RUNTIME_CONNECT=1) and a step of collectives
+      never sets the pool up;
+    - cuMem (NCCL_CUMEM_ENABLE: available from 2.18, auto-enabled from 2.19, NCCL environment
+      variables documentation): every device allocation is its own cuMemCreate rounded up to the 2
+      MiB granularity (include/alloc.h `ncclCuMemAlloc`), so the three small per-channel arrays
       `initChannel` allocates for every p2p channel (channel.cc: devPeers of the shared resources
       and of the channel, devRingUserRanks) and the device communicator (init.cc
       devCommAndChans) take 2 MiB each.
     `channels` is the collective channel count NCCL's search gives (execution channels, twice the
-    search channels: NVIDIA/nccl issue 1041) and `transport` the link ('nvlink', 'pcie', 'shm'),
-    both per hardware profile. Measured check: NVIDIA/nccl issue 964 (4 x A100 NVLink, NCCL 2.18
-    or older; its channel count is not logged, 24 is what NCCL logs for A100s on NVSwitch) read 544
-    MiB for a communicator of 2 ranks and 688 MiB for more on rank 0 (the chain head): 24 x 12 +
-    32 x 16 x 512 KiB = 544 MiB, + 24 x 6 = 688 MiB. A
-    communicator across nodes is counted with the same channels and per-channel buffers
-    (assumption: NCCL's network transport allocates comparable receive buffers and uses no more
-    channels than within a node); NVLS buffers come on top (`nvls_bytes`). No collective runs
-    with a single rank: 0."""
+    search channels: NVIDIA/nccl issue 1041; NCCL_MIN/MAX_NCHANNELS clamp it, graph/connect.cc
+    ncclTopoPostset) and `transport` the link ('nvlink', 'pcie', 'shm'), both per hardware profile;
+    `env` the job's NCCL environment variables (`nccl_env`). Measured check: NVIDIA/nccl issue 964
+    (4 x A100 NVLink, NCCL 2.18 or older; its channel count is not logged, 24 is what NCCL logs for
+    A100s on NVSwitch) read 544 MiB for a communicator of 2 ranks and 688 MiB for more on rank 0
+    (the chain head): 24 x 12 + 32 x 16 x 512 KiB = 544 MiB, + 24 x 6 = 688 MiB. A communicator
+    across nodes is counted with the same channels and per-channel buffers (assumption: NCCL's
+    network transport allocates comparable receive buffers and uses no more channels than within
+    a node); NVLS buffers come on top (`nvls_bytes`). No collective runs with a single rank: 0."""
     if num_ranks <= 1:
         return 0
     if transport not in NCCL_TRANSPORTS:
         raise ValueError(f"'{transport}' is not an NCCL transport; use one of {', '.join(NCCL_TRANSPORTS)}")
-    p2p = transport != "shm"
-    out = channels * 12 * MIB if p2p else 0  # ring
-    if num_ranks >= 3 and p2p:
-        out += channels * ((6 if transport == "nvlink" else 10) if chain_head else 12) * MIB  # tree
+    if env.max_channels:
+        channels = min(channels, env.max_channels)
+    if env.min_channels:
+        channels = max(channels, env.min_channels)
+    simple = env.buffsize or SIMPLE_BUFFSIZE
+    p2p = transport != "shm" and env.p2p
+    read = p2p_read and transport == "nvlink"
+    recv = _up(CONNECTION_HEADER + LL_BUFFSIZE + LL128_BUFFSIZE + (0 if read else simple), CUDA_IPC_MIN)
+    send = _up(CONNECTION_HEADER + (simple if read else 0), CUDA_IPC_MIN)
+    out = channels * (recv + send) if p2p else 0  # ring
+    if num_ranks >= 3 and p2p:  # tree
+        out += channels * (max(recv, send) if chain_head else recv + send)
     p2p_channels = _next_pow2(channels)
-    cumem = version >= (2, 19)
-    if version >= (2, 12) and not (cumem and version >= (2, 22)):
-        if version < (2, 16):
-            out += p2p_channels * 2 * MIB
+    cumem = version >= (2, 18) and (env.cumem if env.cumem is not None else version >= (2, 19))
+    if version >= (2, 12) and not (cumem and version >= (2, 22) and env.runtime_connect):
+        if version < (2, 14):
+            out += p2p_channels * 2 * simple // 4
+        elif version < (2, 16):
+            out += p2p_channels * 16 * 128 * 1024
         else:
             chunk = 512 * 1024 if transport == "nvlink" and num_nodes == 1 else 128 * 1024
-            out += p2p_channels * 16 * chunk
+            out += p2p_channels * 16 * min(chunk, simple // 8)
     if cumem:
         out += (3 * p2p_channels + 1) * CUMEM_GRANULARITY
     return out
@@ -165,13 +236,15 @@ def nvls_bytes(local_ranks: int, version: tuple[int, int], num_nodes: int = 1) -
 
 
 def communicators_bytes(communicators, version: tuple[int, int] = (2, 27), channels: int = 24,
-                       transport: str = "nvlink", gpus_per_node: int | None = None) -> int:
+                       transport: str = "nvlink", gpus_per_node: int | None = None, p2p_read: bool = False,
+                       env: NcclEnv = NcclEnv()) -> int:
     """NCCL buffers of every communicator a rank holds, given as their rank counts (a backend's
     `communicators`: the default process group and each group its framework creates; issue 864 of
     NVIDIA/nccl reports about 6 GB with three or more), each at `nccl_bytes`; a communicator of
     more ranks than `gpus_per_node` spans nodes."""
     per_node = gpus_per_node or max(communicators, default=1)
-    return sum(nccl_bytes(n, version, channels, transport, -(-n // per_node)) for n in communicators)
+    return sum(nccl_bytes(n, version, channels, transport, -(-n // per_node), p2p_read=p2p_read, env=env)
+               for n in communicators)
 
 
 def flash_attention_backward_bytes(batch: int, seq_len: int, num_heads: int, num_kv_heads: int,

@@ -67,3 +67,23 @@ def test_plan_models_the_environment_s_expandable_segments(cli, monkeypatch):
     (run_dir,) = (cli.cwd / "runs").glob("*/*")
     chosen = json.loads((run_dir / "plan.json").read_text())["candidates"][0]["memory"]
     assert any("expandable_segments:True" in n for n in chosen["notes"])
+
+
+def test_plan_models_the_environment_s_nccl_settings(cli, monkeypatch):
+    """The job inherits the planner's NCCL_* variables: the plan's NCCL buffers follow them and its
+    notes say so (runtime.py nccl_env)."""
+    def nccl_note(**env):
+        for key in ("NCCL_MAX_NCHANNELS", "NCCL_CUMEM_ENABLE"):
+            monkeypatch.delenv(key, raising=False)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        r = cli("model=tiny-llama", "gpus=2", "hardware=a100-80g", "strategy=ddp", "training.seq_len=128",
+                "training.micro_batch_size=1", "mode=plan", "hardware.nccl_version=2.18.1")
+        assert r.returncode == 0, r.stderr
+        run_dir = max((cli.cwd / "runs").glob("*/*"), key=lambda p: p.stat().st_mtime_ns)
+        notes = json.loads((run_dir / "plan.json").read_text())["candidates"][0]["memory"]["notes"]
+        return next(n for n in notes if n.startswith("NCCL:"))
+
+    assert "544 MiB outside the allocator (NCCL 2.18.1, 24 channels over nvlink" in nccl_note()
+    note = nccl_note(NCCL_MAX_NCHANNELS="8")
+    assert "160 MiB outside the allocator" in note and "NCCL_MAX_NCHANNELS (8)" in note

@@ -244,8 +244,8 @@ def test_nccl_buffers_per_communicator_match_what_was_measured_on_a100():
     mib = 2**20
     for version in ((2, 16), (2, 17), (2, 18)):  # the releases with the 512 KiB NVLink p2p chunk
         assert nccl_bytes(2, version, 24, "nvlink") == 544 * mib
-        assert nccl_bytes(3, version, 24, "nvlink", chain_head=True) == 688 * mib
-        assert nccl_bytes(4, version, 24, "nvlink", chain_head=True) == 688 * mib
+        assert nccl_bytes(3, version, 24, "nvlink", chain_head=True, p2p_read=True) == 688 * mib
+        assert nccl_bytes(4, version, 24, "nvlink", chain_head=True, p2p_read=True) == 688 * mib
     assert nccl_bytes(1, (2, 18), 24, "nvlink") == 0  # a single rank runs no collective
 
 
@@ -275,6 +275,51 @@ def test_nccl_buffers_follow_channels_transport_and_release():
     assert nccl_bytes(8, (2, 18), 24, "nvlink") - nccl_bytes(2, (2, 18), 24, "nvlink") == 24 * 12 * mib
     with pytest.raises(ValueError, match="nvlink, pcie, shm"):
         nccl_bytes(2, (2, 18), 2, "ethernet")
+
+
+def test_nccl_environment_variables_change_the_buffers_as_nccl_reads_them():
+    """The job's NCCL_* variables (runtime.py `nccl_env`), each against the source `nccl_bytes`
+    cites: NCCL_BUFFSIZE sizes the Simple buffer (init.cc, default 4 MiB); NCCL_CUMEM_ENABLE=0
+    drops the 2 MiB cuMem allocations and, from 2.22, the lazy connections that need cuMem;
+    NCCL_P2P_DISABLE=1 or NCCL_P2P_LEVEL=LOC leave shm's host buffers; NCCL_MIN/MAX_NCHANNELS
+    clamp the channels; a value NCCL cannot parse leaves its default."""
+    from launcher.memory.runtime import NcclEnv, nccl_bytes, nccl_env, nccl_env_note
+
+    mib = 2**20
+    assert nccl_env({}) == NcclEnv() and nccl_env({"NCCL_BUFFSIZE": "lots"}) == NcclEnv()
+    assert nccl_env({"NCCL_BUFFSIZE": "0x100000"}).buffsize == mib  # NCCL reads it with strtoll, base 0
+    # 2 ranks on 2.10, no read: the receiver's 4 KiB + 5.1875 MiB + the Simple buffer, rounded to 2 MiB
+    small = nccl_env({"NCCL_BUFFSIZE": str(mib)})
+    assert nccl_bytes(2, (2, 10), 24, "nvlink", env=small) == 24 * (8 + 2) * mib
+    assert nccl_bytes(2, (2, 10), 24, "nvlink", env=nccl_env({"NCCL_BUFFSIZE": str(8 * mib)})) == 24 * (14 + 2) * mib
+    # under P2P read the Simple buffer sits with the sender
+    assert nccl_bytes(2, (2, 10), 24, "nvlink", p2p_read=True, env=small) == 24 * (6 + 2) * mib
+    off = nccl_env({"NCCL_CUMEM_ENABLE": "0"})
+    assert nccl_bytes(2, (2, 19), 24, "nvlink", env=off) == nccl_bytes(2, (2, 18), 24, "nvlink") == 544 * mib
+    assert nccl_bytes(2, (2, 27), 24, "nvlink", env=off) == 544 * mib  # no cuMem: connected at init, pool too
+    assert nccl_bytes(2, (2, 18), 24, "nvlink", env=nccl_env({"NCCL_CUMEM_ENABLE": "1"})) == 738 * mib
+    late = nccl_env({"NCCL_RUNTIME_CONNECT": "0"})
+    assert nccl_bytes(2, (2, 27), 24, "nvlink", env=late) - nccl_bytes(2, (2, 27), 24, "nvlink") == 32 * 8 * mib
+    for shm in ({"NCCL_P2P_DISABLE": "1"}, {"NCCL_P2P_LEVEL": "LOC"}):
+        assert nccl_bytes(2, (2, 10), 24, "nvlink", env=nccl_env(shm)) == 0
+    assert nccl_bytes(2, (2, 10), 24, "nvlink", env=nccl_env({"NCCL_MAX_NCHANNELS": "8"})) == 8 * 12 * mib
+    assert nccl_bytes(2, (2, 10), 2, "pcie", env=nccl_env({"NCCL_MIN_NCHANNELS": "4"})) == 4 * 12 * mib
+    assert nccl_env_note(NcclEnv()) == ""
+    assert "NCCL_CUMEM_ENABLE (off)" in nccl_env_note(off)
+
+
+def test_nvls_is_off_with_nccl_nvls_enable_0():
+    """NCCL_NVLS_ENABLE=0 in the job's environment: no NVLS buffers on an NVSwitch node."""
+    from launcher.memory.runtime import nccl_env
+
+    traces = TraceSet(synthetic_trace(1, optimizer=False), synthetic_trace(2, optimizer=False), 4)
+
+    def total(env):
+        gpu = Cluster("h100", "cuda", 8, 1, 80 * 2**30, 2**38, {}, 0.5, 1, 1, 1, 1, 90, 2**30, nvls=True,
+                      nccl_version="2.27.5", nccl_env=nccl_env(env))
+        return estimate(traces, Strategy("ddp", "ddp"), WL32, gpu, registry_knobs(), 8).device_total_bytes
+
+    assert total({}) - total({"NCCL_NVLS_ENABLE": "0"}) > 256 * 2**20
 
 
 def test_device_total_takes_nccl_channels_transport_and_release_from_the_cluster():
