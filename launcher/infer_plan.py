@@ -16,9 +16,8 @@ With `inference.device_map`, transformers' device map splits the layers over the
 """
 from __future__ import annotations
 
-import os
-
 import dataclasses
+import os
 
 from launcher.hardware import job_nccl_version
 from launcher.errors import ConfigError

@@ -62,10 +62,6 @@ class NcclEnv:
     p2p: bool = True  # NCCL_P2P_DISABLE=1 or NCCL_P2P_LEVEL=LOC: peer-to-peer off, shm instead
 
 
-NCCL_ENV_KEYS = ("NCCL_BUFFSIZE", "NCCL_CUMEM_ENABLE", "NCCL_RUNTIME_CONNECT", "NCCL_MIN_NCHANNELS",
-                 "NCCL_MAX_NCHANNELS", "NCCL_NVLS_ENABLE", "NCCL_P2P_DISABLE", "NCCL_P2P_LEVEL")
-
-
 def nccl_env(environ) -> NcclEnv:
     """The memory-relevant NCCL settings in `environ` (a mapping such as os.environ). A value NCCL
     could not parse as an integer leaves its default, as NCCL does (misc/param.cc, `ncclLoadParam`:
