@@ -213,15 +213,18 @@ def _estimate(traces: TraceSet, layouts: list, notes, gathered, extra: dict, clu
 def nvls_bytes(communicators, cluster: Cluster) -> int:
     """NVLS multicast buffers of every communicator a rank holds (runtime.py `nvls_bytes`) on a
     GPU system with NVLink SHARP: a communicator of n ranks spans min(n, GPUs per node) GPUs of
-    each of its nodes; none with NCCL_NVLS_ENABLE=0 in the job's environment."""
-    if cluster.device != "cuda" or not cluster.nvls or not (cluster.nccl_env or runtime.NcclEnv()).nvls:
+    each of its nodes, with its NVLS channels' device peers (`nvls_peer_bytes`); none with
+    NCCL_NVLS_ENABLE=0 in the job's environment."""
+    env = cluster.nccl_env or runtime.NcclEnv()
+    if cluster.device != "cuda" or not cluster.nvls or not env.nvls:
         return 0
     version = runtime.nccl_version(cluster.nccl_version or runtime.DEFAULT_NCCL_VERSION)
     per_node = cluster.gpus_per_node
     out = 0
     for n in communicators:
         local = min(n, per_node)
-        out += runtime.nvls_bytes(local, version, -(-n // local))
+        buffers = runtime.nvls_bytes(local, version, -(-n // local))
+        out += buffers + (runtime.nvls_peer_bytes(version, env) if buffers else 0)
     return out
 
 
@@ -257,9 +260,10 @@ FLASH_NOTE = ("GPU flash attention backward: its fp32 dq accumulator and, with g
 FLASH_PHASE_NOTE = ("GPU flash attention backward: its fp32 dq accumulator and, with grouped-query attention, "
                     "K/V gradients expanded to every head (flash_api.cpp mha_bwd) are added to the backward "
                     "peak (the traced step ran attention as separate ops).")
-NVLS_NOTE = ("NCCL {version} with NVLink SHARP (hardware.nvls): {mib:.0f} MiB of multicast buffers per rank "
-             "over its communicators of more than 2 GPUs of a node, outside the allocator (nccl "
-             "src/transport/nvls.cc; launcher/memory/runtime.py nvls_bytes).")
+NVLS_NOTE = ("NCCL {version} with NVLink SHARP (hardware.nvls): {mib:.0f} MiB of multicast buffers and their "
+             "channels' device peers per rank over its communicators of more than 2 GPUs of a node, outside "
+             "the allocator (nccl src/transport/nvls.cc, src/channel.cc; launcher/memory/runtime.py nvls_bytes, "
+             "nvls_peer_bytes).")
 OVER_NOTE = ("peak allocated + CUDA context + NCCL alone exceed the GPU: the allocator cache in reserved "
              "comes from a replay at the traced depth, not the real one.")
 EXPANDABLE_NOTE = ("PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True here and the job inherits it: "

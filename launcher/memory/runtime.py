@@ -231,6 +231,15 @@ def nvls_bytes(local_ranks: int, version: tuple[int, int], num_nodes: int = 1) -
     return _up(data, gran) + _up(credit, NVLS_ALLOC_GRANULARITY)
 
 
+def nvls_peer_bytes(version: tuple[int, int], env: NcclEnv = NcclEnv()) -> int:
+    """Beside `nvls_bytes`, each NVLS channel of a communicator allocates its device peers
+    (channel.cc `initNvlsChannel`: `ncclCudaCallocAsync(&channel->nvlsDevPeers, localRanks)`), a
+    few hundred bytes that cuMem (auto-enabled from 2.19, see `nccl_bytes`) rounds up to 2 MiB:
+    NVLS_CHANNELS x 2 MiB per communicator with NVLS buffers."""
+    cumem = version >= (2, 18) and (env.cumem if env.cumem is not None else version >= (2, 19))
+    return NVLS_CHANNELS * CUMEM_GRANULARITY if cumem else 0
+
+
 def communicators_bytes(communicators, version: tuple[int, int] = (2, 27), channels: int = 24,
                        transport: str = "nvlink", gpus_per_node: int | None = None, p2p_read: bool = False,
                        env: NcclEnv = NcclEnv()) -> int:
