@@ -118,7 +118,8 @@ def nccl_bytes(num_ranks: int, version: tuple[int, int] = (2, 27), channels: int
     - tree: with 3 or more ranks the chain of each channel (`ncclTransportTreeConnect`) adds the
       connections the ring did not make: a middle rank of the chain sends to its parent and
       receives from its child besides its ring pair (12 MiB per channel); the chain head (with
-      `chain_head`) adds one connection;
+      `chain_head`) adds one connection. From 2.22 (runtime connect) the tree connects only once a
+      collective picks the tree algorithm; it is counted anyway, an upper bound;
     - a pool of p2p buffers set up at init (`ncclProxyMsgSharedInit` in init.cc, from 2.12;
       transport/net.cc `sharedNetBuffersInit`, allocated on the GPU): p2p channels (the channel
       count rounded up to a power of two, graph/paths.cc `ncclTopoComputeP2pChannels`) x 2 x the
