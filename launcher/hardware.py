@@ -85,7 +85,7 @@ def cluster_from(hw: HardwareConfig, num_gpus: int, num_nodes: int, cuda_alloc_c
         expandable_segments=hw.device == "cuda" and expandable_segments(cuda_alloc_conf),
         nvls=bool(hw.nvls), nccl_version=job_nccl_version(hw) if hw.device == "cuda" else None,
         nccl_channels=int(hw.nccl_channels), nccl_transport=str(hw.nccl_transport),
-        nccl_env=nccl_env(environ) if hw.device == "cuda" and environ else None,
+        nccl_env=nccl_env(environ or {}),
     )
 
 

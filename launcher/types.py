@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
-if TYPE_CHECKING:
-    from launcher.memory.runtime import NcclEnv
+from launcher.memory.runtime import NcclEnv
 
 
 @dataclass(frozen=True)
@@ -67,7 +66,7 @@ class Cluster:
     nccl_version: Optional[str] = None  # the job's NCCL on a GPU (hardware.py job_nccl_version); None = runtime.py DEFAULT_NCCL_VERSION
     nccl_channels: int = 24  # NCCL's collective channels between the node's GPUs (HardwareConfig.nccl_channels)
     nccl_transport: str = "nvlink"  # how NCCL links the node's GPUs: nvlink | pcie | shm (HardwareConfig.nccl_transport)
-    nccl_env: Optional[NcclEnv] = None  # the job's NCCL_* environment variables (runtime.py nccl_env); None = NCCL's defaults
+    nccl_env: NcclEnv = field(default_factory=NcclEnv)  # the job's NCCL_* environment variables (runtime.py nccl_env)
 
     @property
     def gpus_per_node(self) -> int:

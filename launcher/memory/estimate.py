@@ -105,9 +105,8 @@ def estimate(traces: TraceSet, strategy: Strategy, workload: Workload, cluster: 
         notes = notes + (FLASH_NOTE if per_call is not None else FLASH_PHASE_NOTE,)
     communicators = backend_of(strategy).communicators(strategy, dp_size)
     nccl = runtime.communicators_bytes(
-        communicators, runtime.nccl_version(cluster.nccl_version or runtime.DEFAULT_NCCL_VERSION),
-        cluster.nccl_channels, cluster.nccl_transport, cluster.gpus_per_node, p2p_read=cluster.sm_arch == 80,
-        env=cluster.nccl_env or runtime.NcclEnv()) if cluster.device == "cuda" else 0
+        communicators, nccl_release(cluster), cluster.nccl_channels, cluster.nccl_transport,
+        cluster.gpus_per_node, p2p_read=cluster.sm_arch == 80, env=cluster.nccl_env) if cluster.device == "cuda" else 0
     if cluster.device == "cuda" and nccl:
         notes += (communicators_note(communicators, nccl, cluster),)
     nvls = nvls_bytes(communicators, cluster)
@@ -215,24 +214,27 @@ def nvls_bytes(communicators, cluster: Cluster) -> int:
     GPU system with NVLink SHARP: a communicator of n ranks spans min(n, GPUs per node) GPUs of
     each of its nodes, with its NVLS channels' device peers (`nvls_peer_bytes`); none with
     NCCL_NVLS_ENABLE=0 in the job's environment."""
-    env = cluster.nccl_env or runtime.NcclEnv()
-    if cluster.device != "cuda" or not cluster.nvls or not env.nvls:
+    if cluster.device != "cuda" or not cluster.nvls or not cluster.nccl_env.nvls:
         return 0
-    version = runtime.nccl_version(cluster.nccl_version or runtime.DEFAULT_NCCL_VERSION)
-    per_node = cluster.gpus_per_node
+    version, per_node = nccl_release(cluster), cluster.gpus_per_node
     out = 0
     for n in communicators:
         local = min(n, per_node)
         buffers = runtime.nvls_bytes(local, version, -(-n // local))
-        out += buffers + (runtime.nvls_peer_bytes(version, env) if buffers else 0)
+        out += buffers + (runtime.nvls_peer_bytes(version, cluster.nccl_env) if buffers else 0)
     return out
+
+
+def nccl_release(cluster: Cluster) -> tuple[int, int]:
+    """(major, minor) of the job's NCCL (`Cluster.nccl_version`; unset: runtime.py's default)."""
+    return runtime.nccl_version(cluster.nccl_version or runtime.DEFAULT_NCCL_VERSION)
 
 
 def communicators_note(communicators, nccl: int, cluster: Cluster | None = None) -> str:
     """The NCCL communicators a rank holds (the backend's `communicators`) and, given the cluster,
     the NCCL release, channels and transport their buffers assume, for the notes."""
     groups = [n for n in communicators if n > 1]
-    env = "" if cluster is None else runtime.nccl_env_note(cluster.nccl_env or runtime.NcclEnv())
+    env = "" if cluster is None else runtime.nccl_env_note(cluster.nccl_env)
     setup = "" if cluster is None else (
         f" (NCCL {cluster.nccl_version or runtime.DEFAULT_NCCL_VERSION}, {cluster.nccl_channels} channels over "
         f"{cluster.nccl_transport}: hardware.nccl_version, nccl_channels, nccl_transport{'; ' + env if env else ''})")

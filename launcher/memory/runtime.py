@@ -98,6 +98,12 @@ def _up(n: int, g: int) -> int:
     return -(-n // g) * g
 
 
+def _cumem(version: tuple[int, int], env: NcclEnv) -> bool:
+    """Whether NCCL allocates through cuMem: NCCL_CUMEM_ENABLE exists from 2.18 and is auto-enabled
+    from 2.19 (NCCL environment variables documentation)."""
+    return version >= (2, 18) and (env.cumem if env.cumem is not None else version >= (2, 19))
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -162,7 +168,7 @@ def nccl_bytes(num_ranks: int, version: tuple[int, int] = (2, 27), channels: int
     if num_ranks >= 3 and p2p:  # tree
         out += channels * (max(recv, send) if chain_head else recv + send)
     p2p_channels = _next_pow2(channels)
-    cumem = version >= (2, 18) and (env.cumem if env.cumem is not None else version >= (2, 19))
+    cumem = _cumem(version, env)
     if version >= (2, 12) and not (cumem and version >= (2, 22) and env.runtime_connect):
         if version < (2, 14):
             out += p2p_channels * 2 * simple // 4
@@ -237,8 +243,7 @@ def nvls_peer_bytes(version: tuple[int, int], env: NcclEnv = NcclEnv()) -> int:
     (channel.cc `initNvlsChannel`: `ncclCudaCallocAsync(&channel->nvlsDevPeers, localRanks)`), a
     few hundred bytes that cuMem (auto-enabled from 2.19, see `nccl_bytes`) rounds up to 2 MiB:
     NVLS_CHANNELS x 2 MiB per communicator with NVLS buffers."""
-    cumem = version >= (2, 18) and (env.cumem if env.cumem is not None else version >= (2, 19))
-    return NVLS_CHANNELS * CUMEM_GRANULARITY if cumem else 0
+    return NVLS_CHANNELS * CUMEM_GRANULARITY if _cumem(version, env) else 0
 
 
 def communicators_bytes(communicators, version: tuple[int, int] = (2, 27), channels: int = 24,
