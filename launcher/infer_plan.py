@@ -112,11 +112,12 @@ def _plan(config, spec) -> dict:
         raise ConfigError(f"inference.tp_size={inf.tp_size}: {err}") from None
     cuda = hw.device == "cuda"
     nccl = job_nccl_version(hw) if cuda and inf.tp_size > 1 else None
+    release = runtime.nccl_version(nccl) if nccl else None
     env = runtime.nccl_env(os.environ)  # the job inherits this environment
-    nvls = runtime.nvls_bytes(inf.tp_size, runtime.nccl_version(nccl)) if nccl and hw.nvls and env.nvls else 0
-    nvls += runtime.nvls_peer_bytes(runtime.nccl_version(nccl), env) if nvls else 0
-    group = runtime.nccl_bytes(inf.tp_size, runtime.nccl_version(nccl), int(hw.nccl_channels),
-                               str(hw.nccl_transport), p2p_read=int(hw.sm_arch) == 80, env=env) if nccl else 0
+    nvls = runtime.nvls_bytes(inf.tp_size, release) if release and hw.nvls and env.nvls else 0
+    nvls += runtime.nvls_peer_bytes(release, env) if nvls else 0
+    group = runtime.nccl_bytes(inf.tp_size, release, int(hw.nccl_channels), str(hw.nccl_transport),
+                               p2p_read=int(hw.sm_arch) == 80, env=env) if release else 0
     outside = (runtime.cuda_context_bytes(hw.cuda_context_bytes) + group + nvls) if cuda else 0
     activation = max(est["prefill_activation_bytes"], est["decode_activation_bytes"])
     total = est["peak_bytes"] + outside
