@@ -48,9 +48,10 @@ CausalLmLoss = _enum("CausalLmLoss", ["model", "fp32_shift_copy", "shift_copy"],
                      "shift_copy: the same on the logits in the model's own dtype, no upcast (GPT-2, OPT "
                      "and BLOOM forwards of transformers 4.2x-4.3x, Qwen (v1)'s remote code).")
 CheckpointPolicy = _enum(
-    "CheckpointPolicy", ["full", "selective_op"],
+    "CheckpointPolicy", ["full", "reentrant", "selective_op"],
     "What a checkpointed decoder layer keeps (launcher/checkpointing.py): full = only its inputs, "
-    "everything recomputed in backward; selective_op = torchtitan's per-op selective checkpointing "
+    "everything recomputed in backward; reentrant = the same with torch's reentrant checkpoint "
+    "(use_reentrant=True: transformers 4's default); selective_op = torchtitan's per-op selective checkpointing "
     "(the outputs of matmuls and attention saved, except every second matmul of the layer).")
 StrategyName = _enum(
     "StrategyName",
@@ -264,8 +265,10 @@ class TrainingConfig:
     (DeepSpeed's fp16/bf16 engine: HF Trainer leaves mixed precision to it). The worker runs the
     installed one, so such a plan is an estimate only."""
     checkpoint_policy: CheckpointPolicy = CheckpointPolicy["full"]  # type: ignore[valid-type]
-    """With gradient_checkpointing: what each checkpointed layer keeps (full | selective_op,
-    torchtitan's `activation_checkpoint.mode=selective, selective_ac_option=op`)."""
+    """With gradient_checkpointing: what each checkpointed layer keeps (full | reentrant |
+    selective_op, torchtitan's `activation_checkpoint.mode=selective, selective_ac_option=op`).
+    reentrant = torch's reentrant checkpoint, which transformers 4's `gradient_checkpointing_enable`
+    runs by default and many recipes ask for (`use_reentrant: true`)."""
     attn_implementation: Attention = Attention["sdpa"]  # type: ignore[valid-type]
     learning_rate: float = 2.0e-4
     weight_decay: float = 0.0

@@ -17,7 +17,7 @@ class Workload:
     optimizer: str  # HF optim name
     gradient_checkpointing: bool
     attn_implementation: str  # eager | sdpa | flash_attention_2
-    checkpoint_policy: str = "full"  # with gradient_checkpointing: full | selective_op (launcher/checkpointing.py)
+    checkpoint_policy: str = "full"  # with gradient_checkpointing: full | reentrant | selective_op (launcher/checkpointing.py)
     kernels: str = "torch"  # torch | liger | liger:<kernel>,... (training.liger_kernel[s]; launcher/liger.py)
     causal_lm_loss: str = "model"  # model | fp32_shift_copy | shift_copy (training.causal_lm_loss)
     optimizer_in_backward: bool = False  # each parameter stepped in its gradient hook (training.optimizer_in_backward)

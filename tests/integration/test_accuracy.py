@@ -20,11 +20,15 @@ CELLS = [("ddp", "bf16-mixed", False, True), ("zero2", "bf16-mixed", False, Fals
 # per-op selective checkpointing (training.checkpoint_policy=selective_op), under the `long` marker
 SELECTIVE = [pytest.param("fsdp2", "bf16-mixed", "selective_op", False, marks=pytest.mark.long, id="fsdp2-selective_op"),
              pytest.param("ddp", "32-true", "selective_op", False, marks=pytest.mark.long, id="ddp-32-selective_op")]
+# reentrant checkpointing (training.checkpoint_policy=reentrant): ZeRO-3's hooks gather and release the
+# parameters of each recomputed layer inside the nested backward
+REENTRANT = [pytest.param("zero3", "bf16-mixed", "reentrant", False, id="zero3-reentrant"),
+             pytest.param("fsdp2", "bf16-mixed", "reentrant", False, marks=pytest.mark.long, id="fsdp2-reentrant")]
 BOUND_PERCENT = 1.0
 
 
 @pytest.mark.parametrize("strategy,precision,ckpt,timing",
-                         [pytest.param(*c, id=f"{c[0]}-{c[1]}-ckpt{c[2]}") for c in CELLS] + SELECTIVE)
+                         [pytest.param(*c, id=f"{c[0]}-{c[1]}-ckpt{c[2]}") for c in CELLS] + SELECTIVE + REENTRANT)
 def test_measured_peak_matches_estimate(cli, strategy, precision, ckpt, timing):
     run_dir = cli.cwd / "run"
     policy = ckpt if isinstance(ckpt, str) else "full"

@@ -97,6 +97,22 @@ def test_selective_op_checkpointing_peak_equals_memtracker(attn, precision):
     assert peaks[True, "full"] < peaks[True, "selective_op"] < peaks[False, "full"], peaks
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_reentrant_checkpointing_peak_equals_memtracker(precision):
+    """training.checkpoint_policy=reentrant (transformers 4's default): the traced step keeps what
+    the real step keeps. Its backward holds more than the non-reentrant checkpoint's: the nested
+    backward of a recomputed layer runs while the gradient of that layer's output is alive."""
+    pd, ad = PRECISIONS[precision]
+    peaks = {}
+    for policy in ("full", "reentrant"):
+        k = key(llama(), param_dtype=pd, autocast_dtype=ad, attn_implementation="sdpa",
+                gradient_checkpointing=True, checkpoint_policy=policy, optimizer="none")
+        peaks[policy] = tr.trace_step(k).live_curve().max()
+    real, _ = real_step(k)
+    assert abs(peaks["reentrant"] - real) <= 0.01 * real, (peaks, real)
+    assert peaks["reentrant"] > peaks["full"], peaks
+
+
 @pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
 def test_transformers_4_44_loss_peak_equals_memtracker(precision):
     """training.causal_lm_loss=fp32_shift_copy: the fp32 logits the model returns and their shifted
