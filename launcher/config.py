@@ -426,12 +426,12 @@ class PeftConfig:
     its backward does not use A; dropped in 0.43.2 by "fix QLoRA mem bug: delete useless
     buffered activation", PR 1270, 2024-07-16). false: bitsandbytes 0.43.2 on (`ctx.tensors =
     (None, B)`). Traced as saved for the matmul's backward: checked against a real step without
-    checkpointing; with reentrant checkpointing (use_reentrant=True, as PEFT's and HF's QLoRA
-    scripts of that time ran it) the forward keeps nothing and the recomputed layer keeps its inputs
-    until its backward, as traced (not checked against a real run). Not modelled: under
-    non-reentrant checkpointing, which the launcher traces and runs, bitsandbytes' attribute is out
-    of reach of the checkpoint's saved-tensor hooks, so every layer's inputs would stay alive
-    through the forward. Planning only: the worker runs the installed bitsandbytes, so such a plan
+    checkpointing; with reentrant checkpointing (training.checkpoint_policy=reentrant, as PEFT's
+    and HF's QLoRA scripts of that time ran it) the forward keeps nothing and the recomputed layer
+    keeps its inputs until its backward, as traced (not checked against a real run). Not modelled:
+    under non-reentrant checkpointing (policy full), bitsandbytes' attribute is out of reach of the
+    checkpoint's saved-tensor hooks, so every layer's inputs would stay alive through the
+    forward. Planning only: the worker runs the installed bitsandbytes, so such a plan
     is an estimate only."""
     upcast_non_quantized: bool = True
     """QLoRA (bitsandbytes types): run peft's prepare_model_for_kbit_training, as HF Trainer, TRL and
