@@ -78,6 +78,23 @@ def checkpoint_kwargs(policy: str) -> dict | None:
     return {"use_reentrant": False, "context_fn": selective_op_context}
 
 
+SCRIPT_SETTING = {
+    "reentrant": "HF Trainer: gradient_checkpointing=True, gradient_checkpointing_kwargs={'use_reentrant': True}",
+    "selective_op": "torchtitan: activation_checkpoint.mode=selective, selective_ac_option=op",
+}
+
+
+def accelerate_fsdp_note(policy: str, file_name: str) -> str:
+    """Accelerate's `fsdp_activation_checkpointing` wraps every layer in torch's non-reentrant full
+    checkpoint (accelerate/accelerator.py: `checkpoint_wrapper` with `CheckpointImpl.NO_REENTRANT`),
+    so an FSDP export turns it on only under the `full` policy. Under another policy: the line that
+    says so and where the planned policy is set instead ('' under `full`)."""
+    if policy == "full":
+        return ""
+    return (f"training.checkpoint_policy={policy}: {file_name} leaves fsdp_activation_checkpointing off (Accelerate "
+            f"applies non-reentrant full checkpointing); turn on the planned one in the script ({SCRIPT_SETTING[policy]})")
+
+
 def enable(model, policy: str = "full") -> None:
     """Turn on activation checkpointing of `model`'s decoder layers with `policy`."""
     kwargs = checkpoint_kwargs(policy)

@@ -47,7 +47,8 @@ def describe(i: int, c: Candidate) -> str:
 def header(plan: Plan, e: Exported) -> str:
     """The launch_commands.sh line naming what a backend exported, or why nothing ('' for nothing to say)."""
     if e.files:
-        return f"# {', '.join(name for name, _ in e.files)}: {describe(e.candidate, plan.candidates[e.candidate])}"
+        line = f"# {', '.join(name for name, _ in e.files)}: {describe(e.candidate, plan.candidates[e.candidate])}"
+        return line + (f"\n# {e.note}" if e.note else "")
     return f"# no {e.label} export: {e.why}" if e.why else ""
 
 

@@ -303,12 +303,14 @@ class HostEquivalent:
 class Exported:
     """What a backend's `exports` writes: `files` ((name, text) pairs) for the candidate at index
     `candidate` of the plan, or none and why (`why`; '' says nothing). `label` names the backend in
-    launch_commands.sh ("DeepSpeed", "FSDP2")."""
+    launch_commands.sh ("DeepSpeed", "FSDP2"); `note`, a line it prints under the files' line (what
+    the files leave to the training script)."""
 
     label: str
     files: tuple = ()
     candidate: Optional[int] = None
     why: str = ""
+    note: str = ""
 
 
 def export_candidate(plan, backends, accept: Callable[[Any], bool] = lambda c: True) -> Optional[int]:

@@ -359,3 +359,24 @@ def test_exposed_communication_is_at_most_what_is_sent_and_all_of_it_without_com
     assert idle.exposed_s == pytest.approx(idle.raw_s, rel=1e-12)
     busy = fsdp2_comm(STRATEGIES[strategy], cluster, forward_s=0.5, backward_s=1.0, **kw)
     assert busy.raw_s == idle.raw_s and busy.exposed_s < busy.raw_s
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", "fsdp1"])
+def test_accelerate_fsdp_checkpointing_only_under_the_full_policy(cli, backend):
+    """Accelerate's fsdp_activation_checkpointing wraps every layer in non-reentrant full
+    checkpointing: the exported file turns it on under `full` only, and under `reentrant` leaves it
+    off and says in launch_commands.sh where the planned checkpointing is set."""
+    import yaml
+
+    lines = {}
+    for policy in ("full", "reentrant"):
+        run_dir = cli.cwd / policy
+        r = cli("model=tiny-llama", "hardware=cpu", "gpus=2", f"strategy={backend}", "training.seq_len=128",
+                "training.gradient_checkpointing=true", f"training.checkpoint_policy={policy}", "mode=plan",
+                f"hydra.run.dir={run_dir}")
+        assert r.returncode == 0, r.stderr[-2000:]
+        acc = yaml.safe_load((run_dir / f"accelerate_{backend}_config.yaml").read_text())
+        assert acc["fsdp_config"]["fsdp_activation_checkpointing"] is (policy == "full")
+        lines[policy] = (run_dir / "launch_commands.sh").read_text()
+    assert "use_reentrant" not in lines["full"]
+    assert "gradient_checkpointing_kwargs={'use_reentrant': True}" in lines["reentrant"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from launcher.backends.base import Exported, export_candidate
 from launcher.backends.fsdp2.emit import decoder_layer_class
+from launcher.checkpointing import accelerate_fsdp_note
 from launcher.types import Strategy
 
 from .rules import mixed_precision, sharding_strategy
@@ -88,14 +89,16 @@ def exports(plan, config) -> Exported:
     c = plan.candidates[i]
     t = config.training
     layer = decoder_layer_class(config)
+    ckpt = t.gradient_checkpointing or c.gradient_checkpointing
+    note = accelerate_fsdp_note(t.checkpoint_policy.name, ACCELERATE_FILE) if ckpt else ""
     acc = accelerate_config(c.strategy, t.precision.name, config.gpus, config.nodes, config.hardware.device,
-                            layer, t.gradient_checkpointing or c.gradient_checkpointing)
+                            layer, ckpt and not note)
     if layer is None:
         del acc["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"]  # Accelerate takes _no_split_modules
     return Exported("FSDP1", files=(
         (PLAN_FILE, json.dumps(plan_config(c.strategy, t.precision.name, config.gpus), indent=2,
                                sort_keys=True) + "\n"),
-        (ACCELERATE_FILE, yaml.safe_dump(acc, sort_keys=True))), candidate=i)
+        (ACCELERATE_FILE, yaml.safe_dump(acc, sort_keys=True))), candidate=i, note=note)
 
 
 def emit(x) -> dict:

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 from launcher.backends.base import Exported, export_candidate
+from launcher.checkpointing import accelerate_fsdp_note
 from launcher.types import Strategy
 
 from . import tp_plan
@@ -105,14 +106,15 @@ def exports(plan, config) -> Exported:
     c = plan.candidates[i]
     t = config.training
     ckpt = t.gradient_checkpointing or c.gradient_checkpointing
+    note = accelerate_fsdp_note(t.checkpoint_policy.name, ACCELERATE_FILE) if ckpt else ""
     plan_json = plan_config(c.strategy, t.precision.name, config.gpus, config.fsdp2)
     layer = decoder_layer_class(config)
     acc = accelerate_config(c.strategy, t.precision.name, config.gpus, config.nodes, config.hardware.device,
-                            layer, ckpt)
+                            layer, ckpt and not note)
     if layer is None:
         del acc["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"]  # Accelerate takes _no_split_modules
     return Exported("FSDP2", files=((PLAN_FILE, json.dumps(plan_json, indent=2, sort_keys=True) + "\n"),
-                                    (ACCELERATE_FILE, yaml.safe_dump(acc, sort_keys=True))), candidate=i)
+                                    (ACCELERATE_FILE, yaml.safe_dump(acc, sort_keys=True))), candidate=i, note=note)
 
 
 def emit(x) -> dict:
