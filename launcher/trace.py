@@ -116,6 +116,9 @@ class TraceKey:
     rotary_cache: bool = False
     # QLoRA: each 4-bit matmul keeps its input, as bitsandbytes before 0.43.2 (peft.bnb_keeps_input)
     bnb_keeps_input: bool = False
+    # dropout as CUDA runs it: the fused kernel's output and 1-byte mask (`_fused_dropout`); false:
+    # the CPU kernel's noise tensor in the input's dtype
+    fused_dropout: bool = False
 
     def __post_init__(self):
         _check(self.param_dtype, PARAM_DTYPES, "param_dtype")
@@ -158,6 +161,15 @@ def canonical_config_json(config) -> str:
     return json.dumps(d, sort_keys=True, separators=(",", ":"), default=str)
 
 
+def drops_out(hf_config_json: str, lora_dropout: float = 0.0) -> bool:
+    """Whether a step drops anything out: a dropout probability strictly between 0 and 1 in the
+    model's config (`*dropout*`, `*pdrop*` keys) or peft's lora_dropout. A GPU plan traces with
+    `fused_dropout` only then, so a model without dropout keeps one trace for both devices."""
+    config = json.loads(hf_config_json)
+    probs = [v for k, v in config.items() if ("dropout" in k or "pdrop" in k) and isinstance(v, (int, float))]
+    return 0 < lora_dropout < 1 or any(0 < p < 1 for p in probs)
+
+
 def trace_notes(key: TraceKey) -> tuple[str, ...]:
     """What the trace did differently from the GPU run it stands for."""
     notes = []
@@ -165,6 +177,10 @@ def trace_notes(key: TraceKey) -> tuple[str, ...]:
         notes.append("flash_attention_2 traced as sdpa: on CPU sdpa runs the flash-attention "
                      "kernel (_scaled_dot_product_flash_attention_for_cpu), which like FA2 saves "
                      "only the output and logsumexp, never the seq x seq scores")
+    if key.fused_dropout:
+        notes.append("dropout traced as CUDA runs it: the fused kernel's output and a 1-byte mask "
+                     "(aten Dropout.cpp is_fused_kernel_acceptable, native_dropout), not the CPU "
+                     "kernel's noise tensor in the input's dtype")
     if key.optimizer.startswith("adamw") and key.optimizer != "adamw_fused":
         notes.append("AdamW 'step' tensors (4 B per parameter) are traced on the device; on "
                      "GPU the non-fused AdamW keeps them on the host")
@@ -684,6 +700,35 @@ def _transformers4_cache():
 
 
 @contextlib.contextmanager
+def _fused_dropout():
+    """`torch.nn.functional.dropout` as ATen runs it on a CUDA tensor: `at::dropout` takes the fused
+    kernel when `is_fused_kernel_acceptable` (aten/src/ATen/native/Dropout.cpp: a CUDA input, 0 <
+    p < 1, not empty) and returns `native_dropout`'s output, whose backward keeps the kernel's mask
+    of one byte per element (NativeDropoutBackward0 saves `result1`, a bool tensor); the in-place
+    form copies that output into the input. On a CPU tensor `at::dropout` multiplies the input by
+    a noise tensor of the input's dtype and keeps that tensor for backward (`_dropout_impl`), so a
+    step traced on the CPU device as it runs there holds 2-4 bytes per element where the GPU holds
+    one. Every `nn.Dropout` and `F.dropout` call (the models' hidden and attention dropout, peft's
+    lora_dropout) goes through this function. Outside 0 < p < 1, in eval mode or on a
+    non-floating input, the original function runs."""
+    import torch
+
+    original = torch.nn.functional.dropout
+
+    def dropout(input, p=0.5, training=True, inplace=False):
+        if not (training and 0 < p < 1 and input.is_floating_point() and input.numel()):
+            return original(input, p, training, inplace)
+        out = torch.native_dropout(input, p, True)[0]
+        return input.copy_(out) if inplace else out
+
+    torch.nn.functional.dropout = dropout
+    try:
+        yield
+    finally:
+        torch.nn.functional.dropout = original
+
+
+@contextlib.contextmanager
 def _zero3_linear():
     """`torch.nn.functional.linear` as DeepSpeed ZeRO-3 replaces it (memory_efficient_linear, on by
     default: partition_parameters.py `_enable_mem_efficient_linear` -> runtime/zero/linear.py
@@ -894,8 +939,9 @@ def trace_step(key: TraceKey) -> StepTrace:
     linear = _zero3_linear() if key.zero3_linear else contextlib.nullcontext()
     sdpa = _sdpa_as_transformers4() if key.transformers4 else contextlib.nullcontext()
     cache = _transformers4_cache() if key.use_cache else contextlib.nullcontext()
-    with _unpacked_sequences(), linear, sdpa, cache, _quiet_fake_kernels(), FakeTensorMode(allow_non_fake_inputs=True), \
-            _dispatch_mode(rec):
+    dropout = _fused_dropout() if key.fused_dropout else contextlib.nullcontext()
+    with _unpacked_sequences(), linear, sdpa, cache, dropout, _quiet_fake_kernels(), \
+            FakeTensorMode(allow_non_fake_inputs=True), _dispatch_mode(rec):
         model, opt = _run_step(key, rec, marks, grads)
         n, num_events = len(rec.nbytes), marks["end"]  # later frees and rows are not the step's
         params, param_rows = _param_table(model, rec)
@@ -1037,7 +1083,7 @@ def _cache_key(key: TraceKey) -> str:
     fields = dataclasses.asdict(key)
     for name in ("kbit_upcast", "gptq_group_size", "lora_dora", "lora_modules_to_save", "lora_train_base",
                  "zero3_linear", "transformers4", "flat_param_grads", "keep_outputs",
-                 "use_cache", "rotary_cache", "bnb_keeps_input"):
+                 "use_cache", "rotary_cache", "bnb_keeps_input", "fused_dropout"):
         # unset: the key hashes as before the field existed
         if not fields.get(name):
             fields.pop(name, None)

@@ -113,6 +113,22 @@ def test_reentrant_checkpointing_peak_equals_memtracker(precision):
     assert peaks["reentrant"] > peaks["full"], peaks
 
 
+@pytest.mark.parametrize("dtype,itemsize", [("float32", 4), ("bfloat16", 2)])
+def test_fused_dropout_keeps_one_byte_per_element(dtype, itemsize):
+    """A GPU plan traces dropout as CUDA runs it (TraceKey.fused_dropout, aten Dropout.cpp: the
+    fused kernel's bool mask), a CPU plan as the CPU runs it (a noise tensor of the input's dtype).
+    GPT-2 drops out its embeddings, and in each layer the attention probabilities and both
+    residual branches: the forward keeps (itemsize - 1) bytes less per element of each."""
+    b, s, h, heads, layers = 3, 48, 64, 4, 2
+    cfg = transformers.GPT2Config(n_embd=h, n_head=heads, n_layer=layers, n_positions=64, vocab_size=512)
+    assert cfg.resid_pdrop == cfg.embd_pdrop == cfg.attn_pdrop == 0.1
+    k = key(cfg, micro_batch_size=b, seq_len=s, param_dtype=dtype, attn_implementation="eager", optimizer="none")
+    cpu, gpu = tr.trace_step(k), tr.trace_step(dataclasses.replace(k, fused_dropout=True))
+    elements = b * s * h + layers * (2 * b * s * h + b * heads * s * s)
+    assert (k.micro_batch_size, k.seq_len) == (b, s)
+    assert cpu.live_curve().max() - gpu.live_curve().max() == elements * (itemsize - 1)
+
+
 @pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
 def test_transformers_4_44_loss_peak_equals_memtracker(precision):
     """training.causal_lm_loss=fp32_shift_copy: the fp32 logits the model returns and their shifted
