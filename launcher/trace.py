@@ -180,7 +180,8 @@ def trace_notes(key: TraceKey) -> tuple[str, ...]:
     if key.fused_dropout:
         notes.append("dropout traced as CUDA runs it: the fused kernel's output and a 1-byte mask "
                      "(aten Dropout.cpp is_fused_kernel_acceptable, native_dropout), not the CPU "
-                     "kernel's noise tensor in the input's dtype")
+                     "kernel's noise tensor in the input's dtype; SDPA's attention dropout as the "
+                     "fused attention kernels take it, keeping no mask or probabilities")
     if key.optimizer.startswith("adamw") and key.optimizer != "adamw_fused":
         notes.append("AdamW 'step' tensors (4 B per parameter) are traced on the device; on "
                      "GPU the non-fused AdamW keeps them on the host")
@@ -710,10 +711,18 @@ def _fused_dropout():
     step traced on the CPU device as it runs there holds 2-4 bytes per element where the GPU holds
     one. Every `nn.Dropout` and `F.dropout` call (the models' hidden and attention dropout, peft's
     lora_dropout) goes through this function. Outside 0 < p < 1, in eval mode or on a
-    non-floating input, the original function runs."""
+    non-floating input, the original function runs.
+
+    Attention dropout inside `F.scaled_dot_product_attention` (`dropout_p`: GPT-2's and BioGPT's
+    attention under sdpa): CUDA's fused kernels take it (FlashAttention and the memory-efficient
+    kernel draw the mask from a Philox seed and offset they return, and draw it again in backward),
+    so they keep no mask and no probabilities, while the CPU has no fused kernel with dropout and
+    falls back to the math path, which keeps the seq x seq probabilities, the dropout noise and
+    the dropped probabilities. So the attention is traced with `dropout_p=0`: the fused kernel's
+    storages less its two scalar Philox tensors."""
     import torch
 
-    original = torch.nn.functional.dropout
+    original, sdpa = torch.nn.functional.dropout, torch.nn.functional.scaled_dot_product_attention
 
     def dropout(input, p=0.5, training=True, inplace=False):
         if not (training and 0 < p < 1 and input.is_floating_point() and input.numel()):
@@ -721,11 +730,18 @@ def _fused_dropout():
         out = torch.native_dropout(input, p, True)[0]
         return input.copy_(out) if inplace else out
 
-    torch.nn.functional.dropout = dropout
+    def attention(*args, **kwargs):
+        if len(args) > 4:  # (query, key, value, attn_mask, dropout_p, ...)
+            args = args[:4] + (0.0,) + args[5:]
+        if "dropout_p" in kwargs:
+            kwargs["dropout_p"] = 0.0
+        return sdpa(*args, **kwargs)
+
+    torch.nn.functional.dropout, torch.nn.functional.scaled_dot_product_attention = dropout, attention
     try:
         yield
     finally:
-        torch.nn.functional.dropout = original
+        torch.nn.functional.dropout, torch.nn.functional.scaled_dot_product_attention = original, sdpa
 
 
 @contextlib.contextmanager
@@ -1096,6 +1112,8 @@ def _cache_key(key: TraceKey) -> str:
         fields["tp_layout"] = 4
     if key.keep_outputs:  # the kept outputs as `_loss` keeps them, the cache only with use_cache
         fields["kept_outputs_layout"] = 2
+    if key.fused_dropout:  # 2: SDPA's dropout_p as CUDA's fused attention kernels run it
+        fields["fused_dropout_layout"] = 2
     versions = [installed_version("torch"), installed_version("transformers")]
     if key.trainable == "lora":
         fields["peft_version"] = installed_version("peft")

@@ -132,6 +132,21 @@ def test_fused_dropout_keeps_one_byte_per_element(dtype, itemsize):
     assert abs(gpu.live_curve().max() - real) <= 0.01 * real, (gpu.live_curve().max(), real)
 
 
+def test_fused_attention_dropout_keeps_nothing():
+    """SDPA with dropout_p > 0: CUDA's fused attention kernels redraw the mask from their Philox
+    state in backward and keep no probabilities, so a GPU plan's step holds what it holds without
+    attention dropout; on the CPU, SDPA falls back to the math path and keeps the seq x seq
+    probabilities (at least one such tensor per layer more)."""
+    b, s, h, heads, layers = 2, 64, 64, 4, 2
+    cfgs = {p: transformers.GPT2Config(n_embd=h, n_head=heads, n_layer=layers, n_positions=64, vocab_size=512,
+                                       attn_pdrop=p) for p in (0.1, 0.0)}
+    peaks = {(p, fused): tr.trace_step(key(cfg, micro_batch_size=b, seq_len=s, attn_implementation="sdpa",
+                                           optimizer="none", fused_dropout=fused)).live_curve().max()
+             for p, cfg in cfgs.items() for fused in (False, True)}
+    assert peaks[0.1, True] == peaks[0.0, True]
+    assert peaks[0.1, False] - peaks[0.1, True] >= layers * b * heads * s * s * 4
+
+
 @pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
 def test_transformers_4_44_loss_peak_equals_memtracker(precision):
     """training.causal_lm_loss=fp32_shift_copy: the fp32 logits the model returns and their shifted
