@@ -116,7 +116,7 @@ def workload(config: LauncherConfig, spec: ModelSpec, micro: int) -> Workload:
                     zero_grad_set_to_none=t.zero_grad_set_to_none,
                     sgd_momentum=float(t.sgd_momentum), built_on_device=t.built_on_device,
                     keep_outputs=t.keep_outputs, use_cache=t.use_cache, rotary_cache=t.rotary_cache,
-                    fused_dropout=config.hardware.device == "cuda")
+                    cuda=config.hardware.device == "cuda")
 
 
 def ask(config: LauncherConfig, cluster: Cluster, env: Env, peft: str = "none") -> Ask:
@@ -223,7 +223,8 @@ def trace_key(spec: ModelSpec, strategy: Strategy, wl: Workload, lora=None):
     request = memory_model.trace_request(strategy, wl)
     request.update(trace_fields(lora, backend_of(strategy).adapter_autocast_of(wl.precision), request))
     config_json = trace.canonical_config_json(spec.hf_config)
-    fused_dropout = wl.fused_dropout and trace.drops_out(config_json, request.get("lora_dropout", 0.0))
+    fused_dropout = wl.cuda and trace.drops_out(config_json, request.get("lora_dropout", 0.0))
+    cuda_autocast = wl.cuda and request.get("autocast_dtype") is not None
     return trace.TraceKey(hf_config_json=config_json,
                           num_layers=spec.num_layers, micro_batch_size=wl.micro_batch_size,
                           seq_len=wl.seq_len,
@@ -234,7 +235,7 @@ def trace_key(spec: ModelSpec, strategy: Strategy, wl: Workload, lora=None):
                           kernels=wl.kernels, loss=wl.causal_lm_loss,
                           optimizer_in_backward=wl.optimizer_in_backward, keep_outputs=wl.keep_outputs,
                           use_cache=wl.use_cache, rotary_cache=wl.rotary_cache, fused_dropout=fused_dropout,
-                          **request)
+                          cuda_autocast=cuda_autocast, **request)
 
 
 def model_numbers(traces) -> dict:

@@ -119,6 +119,8 @@ class TraceKey:
     # dropout as CUDA runs it: the fused kernel's output and 1-byte mask (`_fused_dropout`); false:
     # the CPU kernel's noise tensor in the input's dtype
     fused_dropout: bool = False
+    # the autocast region runs CUDA's autocast op policy, not the CPU's (`_cuda_autocast`)
+    cuda_autocast: bool = False
 
     def __post_init__(self):
         _check(self.param_dtype, PARAM_DTYPES, "param_dtype")
@@ -182,6 +184,10 @@ def trace_notes(key: TraceKey) -> tuple[str, ...]:
                      "(aten Dropout.cpp is_fused_kernel_acceptable, native_dropout), not the CPU "
                      "kernel's noise tensor in the input's dtype; SDPA's attention dropout as the "
                      "fused attention kernels take it, keeping no mask or probabilities")
+    if key.cuda_autocast:
+        notes.append("autocast traced with CUDA's op policy (aten/src/ATen/autocast_mode.h): pow, exp, "
+                     "rsqrt, layer_norm, losses... in fp32, softmax, log_softmax and sum with an fp32 "
+                     "result, einsum and matrix-vector products in the autocast dtype")
     if key.optimizer.startswith("adamw") and key.optimizer != "adamw_fused":
         notes.append("AdamW 'step' tensors (4 B per parameter) are traced on the device; on "
                      "GPU the non-fused AdamW keeps them on the host")
@@ -744,6 +750,131 @@ def _fused_dropout():
         torch.nn.functional.dropout, torch.nn.functional.scaled_dot_product_attention = original, sdpa
 
 
+# CUDA autocast's op lists (aten/src/ATen/autocast_mode.h, torch 2.4 on: AT_FORALL_FP32,
+# AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_LOWER_PRECISION_FP, AT_FORALL_PROMOTE,
+# AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE), as `aten` overload names. Of the lower-precision list only
+# the ops the CPU's autocast does not also cast (autocast_mode.cpp's AutocastCPU registrations:
+# linear, matmul, mm, bmm, addmm, baddbmm, addbmm, conv*, prelu, linalg_vecdot and SDPA it casts
+# alike, and with the same cache of cast weights).
+CUDA_AUTOCAST_FP32 = (
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
+    "sinh", "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "softplus", "layer_norm",
+    "native_layer_norm", "group_norm", "frobenius_norm.dim", "nuclear_norm", "nuclear_norm.dim",
+    "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss2d",
+    "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss",
+    "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss",
+    "multi_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp",
+    "upsample_nearest1d", "_upsample_nearest_exact1d", "upsample_nearest2d", "_upsample_nearest_exact2d",
+    "upsample_nearest3d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
+    "_upsample_bilinear2d_aa", "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bicubic2d_aa")
+CUDA_AUTOCAST_FP32_SET_DTYPE = (
+    "prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod", "cumsum", "linalg_vector_norm",
+    "linalg_matrix_norm", "linalg_matrix_norm.str_ord", "sum", "sum.dim_IntList")
+CUDA_AUTOCAST_LOWER = ("addmv", "addr", "einsum", "mv", "chain_matmul", "linalg_multi_dot")
+CUDA_AUTOCAST_PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler",
+                         "index_put", "tensordot", "scatter_add")
+CUDA_AUTOCAST_NORM = {"norm.Scalar": "norm.ScalarOpt_dtype", "norm.ScalarOpt_dim": "norm.ScalarOpt_dim_dtype"}
+# on the CPU's autocast list only: CUDA's leaves them to their parts (cross_entropy_loss runs
+# log_softmax, whose result CUDA's policy makes fp32, without the CPU's fp32 copy of the logits)
+CPU_ONLY_AUTOCAST = ("cross_entropy_loss",)
+
+
+@contextlib.contextmanager
+def _cuda_autocast():
+    """The autocast region runs CUDA's op policy. The step is traced under the CPU's autocast (CPU
+    tensors dispatch to AutocastCPU), whose op lists differ from CUDA's: CUDA runs pow, exp, rsqrt,
+    layer_norm and the losses in fp32 and gives softmax, log_softmax, sum and cumsum an fp32 result
+    (so GPT-2's, GPT-J's and CodeGen's tanh GELU, which cubes its input, keeps its intermediates in
+    fp32 on a GPU and in the autocast dtype on the CPU), casts einsum and matrix-vector products to
+    the autocast dtype, and promotes mixed inputs of addcmul, index_put, scatter_add... to the widest.
+    Python kernels registered for the AutocastCPU key apply CUDA's policy (autocast_mode.h: cast
+    every floating, non-fp64 tensor argument, `cached_cast`; append dtype=float32 unless one is
+    given, `fp32_set_opt_dtype`) with the autocast key excluded, as autocast's own kernels
+    redispatch; an op only the CPU's list holds falls through, as on CUDA. They are removed when
+    the trace ends."""
+    import warnings
+
+    import torch
+
+    aten = torch.ops.aten
+    exclude = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+
+    def op_of(name):
+        base, _, overload = name.partition(".")
+        packet = getattr(aten, base, None)
+        return getattr(packet, overload or "default", None) if packet is not None else None
+
+    def eligible(a):
+        return isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != torch.float64
+
+    def cast_all(x, dtype):
+        if isinstance(x, (list, tuple)):
+            return type(x)(cast_all(a, dtype) for a in x)
+        return x.to(dtype) if eligible(x) and x.dtype != dtype else x
+
+    def cast_policy(op, target):
+        def kernel(*args, **kwargs):
+            dtype = target() if callable(target) else target
+            with torch._C._ExcludeDispatchKeyGuard(exclude):
+                return op(*cast_all(args, dtype), **{k: cast_all(v, dtype) for k, v in kwargs.items()})
+        return kernel
+
+    def set_dtype_policy(op):
+        at = [a.name for a in op._schema.arguments].index("dtype")
+
+        def kernel(*args, **kwargs):
+            with torch._C._ExcludeDispatchKeyGuard(exclude):
+                given = args[at] if len(args) > at else kwargs.get("dtype")
+                if given is None and eligible(args[0]):
+                    if len(args) > at:
+                        args = args[:at] + (torch.float32,) + args[at + 1:]
+                    else:
+                        kwargs = {**kwargs, "dtype": torch.float32}
+                return op(*args, **kwargs)
+        return kernel
+
+    def promote_policy(op):
+        def kernel(*args, **kwargs):
+            flat = [a for a in list(args) + list(kwargs.values())
+                    for a in (a if isinstance(a, (list, tuple)) else [a]) if eligible(a)]
+            widest = flat[0].dtype if flat else None
+            for a in flat[1:]:
+                widest = torch.promote_types(widest, a.dtype)
+            with torch._C._ExcludeDispatchKeyGuard(exclude):
+                if widest is None:
+                    return op(*args, **kwargs)
+                return op(*cast_all(args, widest), **{k: cast_all(v, widest) for k, v in kwargs.items()})
+        return kernel
+
+    def norm_policy(op, with_dtype):
+        def kernel(*args, **kwargs):
+            with torch._C._ExcludeDispatchKeyGuard(exclude):
+                if eligible(args[0]):
+                    return with_dtype(*args, **kwargs, dtype=torch.float32)
+                return op(*args, **kwargs)
+        return kernel
+
+    region_dtype = lambda: torch.get_autocast_dtype("cpu")  # noqa: E731 - the region's lower precision
+    policies = [(name, lambda op: cast_policy(op, torch.float32)) for name in CUDA_AUTOCAST_FP32]
+    policies += [(name, set_dtype_policy) for name in CUDA_AUTOCAST_FP32_SET_DTYPE]
+    policies += [(name, lambda op: cast_policy(op, region_dtype)) for name in CUDA_AUTOCAST_LOWER]
+    policies += [(name, promote_policy) for name in CUDA_AUTOCAST_PROMOTE]
+    policies += [(name, lambda op, to=to: norm_policy(op, op_of(to))) for name, to in CUDA_AUTOCAST_NORM.items()]
+    # no autocast kernel on CUDA: the op falls through, and the ops it is made of autocast
+    policies += [(name, lambda op: torch.library.fallthrough_kernel) for name in CPU_ONLY_AUTOCAST]
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():  # overriding the CPU's own autocast kernel of an op warns
+            warnings.simplefilter("ignore")
+            for name, policy in policies:
+                op = op_of(name)
+                if op is not None:  # an op this torch does not have is not called either
+                    lib.impl(name, policy(op), "AutocastCPU")
+        yield
+    finally:
+        lib._destroy()
+
+
 @contextlib.contextmanager
 def _zero3_linear():
     """`torch.nn.functional.linear` as DeepSpeed ZeRO-3 replaces it (memory_efficient_linear, on by
@@ -956,7 +1087,8 @@ def trace_step(key: TraceKey) -> StepTrace:
     sdpa = _sdpa_as_transformers4() if key.transformers4 else contextlib.nullcontext()
     cache = _transformers4_cache() if key.use_cache else contextlib.nullcontext()
     dropout = _fused_dropout() if key.fused_dropout else contextlib.nullcontext()
-    with _unpacked_sequences(), linear, sdpa, cache, dropout, _quiet_fake_kernels(), \
+    autocast = _cuda_autocast() if key.cuda_autocast else contextlib.nullcontext()
+    with _unpacked_sequences(), linear, sdpa, cache, dropout, autocast, _quiet_fake_kernels(), \
             FakeTensorMode(allow_non_fake_inputs=True), _dispatch_mode(rec):
         model, opt = _run_step(key, rec, marks, grads)
         n, num_events = len(rec.nbytes), marks["end"]  # later frees and rows are not the step's
@@ -1099,7 +1231,7 @@ def _cache_key(key: TraceKey) -> str:
     fields = dataclasses.asdict(key)
     for name in ("kbit_upcast", "gptq_group_size", "lora_dora", "lora_modules_to_save", "lora_train_base",
                  "zero3_linear", "transformers4", "flat_param_grads", "keep_outputs",
-                 "use_cache", "rotary_cache", "bnb_keeps_input", "fused_dropout"):
+                 "use_cache", "rotary_cache", "bnb_keeps_input", "fused_dropout", "cuda_autocast"):
         # unset: the key hashes as before the field existed
         if not fields.get(name):
             fields.pop(name, None)

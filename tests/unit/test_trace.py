@@ -147,6 +147,47 @@ def test_fused_attention_dropout_keeps_nothing():
     assert peaks[0.1, False] - peaks[0.1, True] >= layers * b * heads * s * s * 4
 
 
+def test_cuda_autocast_policy_in_a_cpu_autocast_region():
+    """Under `_cuda_autocast` a CPU autocast region follows CUDA's op reference (torch.amp docs,
+    "CUDA Ops that can autocast to float32"; autocast_mode.h): pow, exp, rsqrt and layer_norm run
+    in fp32, softmax and sum give fp32, cross_entropy's log_softmax gives fp32; linear stays in the
+    autocast dtype. Outside the context the CPU's policy is back (pow and softmax stay bf16)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def dtypes():
+        with FakeTensorMode():
+            x = torch.empty(4, 8, requires_grad=True)
+            w = torch.empty(8, 8, requires_grad=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = torch.nn.functional.linear(x, w)
+                return {"linear": y.dtype, "pow": torch.pow(y, 3.0).dtype, "exp": y.exp().dtype,
+                        "rsqrt": y.rsqrt().dtype, "layer_norm": torch.nn.functional.layer_norm(y, (8,)).dtype,
+                        "softmax": y.softmax(-1).dtype, "sum": y.sum().dtype,
+                        "cross_entropy": torch.nn.functional.cross_entropy(y, torch.zeros(4, dtype=torch.long)).dtype}
+
+    cpu = dtypes()
+    with tr._cuda_autocast():
+        cuda = dtypes()
+    assert cuda == {"linear": torch.bfloat16, **{k: torch.float32 for k in cuda if k != "linear"}}
+    assert cpu["pow"] == cpu["softmax"] == cpu["layer_norm"] == torch.bfloat16
+    assert dtypes() == cpu
+
+
+def test_cuda_autocast_changes_gpt2_not_llama():
+    """GPT-2's tanh GELU cubes its input (NewGELUActivation: torch.pow), which CUDA's autocast runs
+    in fp32, so its bf16-mixed step holds more on a GPU; a Llama step has no op whose dtype the two
+    policies set differently (its RMSNorm upcasts by hand, its attention is SDPA), so it traces the
+    same."""
+    gpt2 = transformers.GPT2Config(n_embd=64, n_head=4, n_layer=2, n_positions=64, vocab_size=512)
+    peaks = {}
+    for name, cfg in (("gpt2", gpt2), ("llama", llama())):
+        k = key(cfg, seq_len=64, param_dtype="float32", autocast_dtype="bfloat16", attn_implementation="sdpa",
+                optimizer="none", fused_dropout=True)
+        peaks[name] = [tr.trace_step(dataclasses.replace(k, cuda_autocast=c)).live_curve().max() for c in (False, True)]
+    assert peaks["gpt2"][1] > peaks["gpt2"][0], peaks
+    assert peaks["llama"][1] == peaks["llama"][0], peaks
+
+
 @pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
 def test_transformers_4_44_loss_peak_equals_memtracker(precision):
     """training.causal_lm_loss=fp32_shift_copy: the fp32 logits the model returns and their shifted
