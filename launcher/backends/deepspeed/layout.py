@@ -41,6 +41,9 @@ class ZeroSetup:
     dp: int
     num_layers: int = 0  # the real model's depth, for terms not linear in depth (0: the traced depth)
     grad_accum_steps: int = 1  # micro-batches per optimizer step
+    # the embedding's output requires grad: transformers' activation_checkpointing_enable calls
+    # enable_input_require_grads (modeling_utils.py), so a frozen embedding runs a backward hook
+    input_grads: bool = False
 
     @property
     def overlap_comm(self) -> bool:

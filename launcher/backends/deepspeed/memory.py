@@ -40,8 +40,15 @@ def memory(traces: TraceSet, strategy: Strategy, workload: Workload, knobs, dp: 
     layouts = tuple(build(t, z) for t in (traces.depth1, traces.depth2))
     gathered = None
     if z.stage == 3:  # all kept: on the per-depth curve (zero3.py gathered_param_terms)
-        gathered = gathered_param_bytes(full_depth_numels(traces.depth1, traces.num_layers, frozen_too=True,
-                                                          numel=gathered_numels(traces.depth1)), z)
+        def gathered_at_peaks(input_grads):
+            sizes = full_depth_numels(traces.depth1, traces.num_layers, frozen_too=True,
+                                      numel=gathered_numels(traces.depth1, input_grads))
+            return gathered_param_bytes(sizes, z)
+        gathered = gathered_at_peaks(z.input_grads)
+        if not gathered[1] and z.input_grads:
+            # some are released, so the embedding is (it is reused furthest away): gathered at the
+            # start of forward and the end of backward, away from the peaks
+            gathered = gathered_at_peaks(False)
         gathered = (0, True) if gathered[1] else gathered
     return LayoutSet(groups=(((), layouts),), traces=traces, notes=deepspeed_notes(z, gathered), gathered=gathered)
 
@@ -52,7 +59,7 @@ def _zero_setup(traces: TraceSet, strategy: Strategy, workload: Workload, ds, dp
                      model_bytes=DTYPE_BYTES[FRAMEWORK[workload.precision]],
                      master_bytes=2 if workload.precision == "bf16-true" else 4,
                      optimizer=workload.state_optimizer, ds=ds, dp=dp, num_layers=traces.num_layers,
-                     grad_accum_steps=workload.grad_accum_steps)
+                     grad_accum_steps=workload.grad_accum_steps, input_grads=workload.gradient_checkpointing)
 
 
 def _rank_layouts(traces: TraceSet, strategy: Strategy, workload: Workload, ds, dp: int) -> list:

@@ -48,13 +48,17 @@ def zero_numels(trace: StepTrace, four_bit: dict | None = None) -> dict:
     return {i: packed // int(p.element_size[i]) for i, (packed, _) in four_bit.items()}
 
 
-def forward_only_params(trace: StepTrace) -> set:
+def forward_only_params(trace: StepTrace, input_grads: bool = False) -> set:
     """Frozen parameters that no backward fetches again: the token/position embeddings (and their
     norms) of a model whose embeddings are all frozen (LoRA's base) compute from integer ids, so
     their outputs need no gradient and their modules run no backward (DeepSpeed hooks a module's
     backward through its outputs, parameter_offload.py `_post_forward_module_hook` /
     `_run_before_backward_function`). An embedding tied to the LM head is used again there, and is
-    not one of them. A probe of DeepSpeed 0.19.8 (a peft LoRA tiny Llama, 1 gloo rank, fp32 and
+    not one of them. None with `input_grads` (gradient checkpointing: transformers makes the
+    embedding's output require grad, `enable_input_require_grads`): DeepSpeed then hooks the
+    embedding's backward, and its ids need no gradient, so no post-backward hook releases it; it
+    stays gathered until backward ends (a real 2-rank ZeRO-3 LoRA run of small-llama with
+    checkpointing held its 16 MB bf16 embedding at the backward peak: -10.4% without this). A probe of DeepSpeed 0.19.8 (a peft LoRA tiny Llama, 1 gloo rank, fp32 and
     bf16, steps 1-3 with a complete module trace) logged `__release_param` during forward: the
     embedding is released after its forward in every step.
     Not modelled: the same probe saw layer 0's q_proj base, k_proj and v_proj base (a q, v LoRA)
@@ -63,7 +67,7 @@ def forward_only_params(trace: StepTrace) -> set:
     """
     p = trace.params
     embeddings = [i for i in distinct_params(trace) if p.role[i] == Role.EMBEDDING]
-    if "embedding" not in trace.layer_bounds or any(p.trainable[i] for i in embeddings):
+    if input_grads or "embedding" not in trace.layer_bounds or any(p.trainable[i] for i in embeddings):
         return set()
     tied = {int(j) for j in p.tied_to if j >= 0}
     return {i for i in embeddings if i not in tied}
@@ -212,13 +216,13 @@ def all_kept_gathered(trace: StepTrace, z: ZeroSetup) -> bool:
     """No parameter of the real-depth model, frozen or trainable, is released between its forward
     and its backward (`gathered_param_bytes` at full depth)."""
     return gathered_param_bytes(full_depth_numels(trace, z.num_layers or trace.num_layers, frozen_too=True,
-                                                  numel=gathered_numels(trace)), z)[1]
+                                                  numel=gathered_numels(trace, z.input_grads)), z)[1]
 
 
-def gathered_numels(trace: StepTrace) -> dict:
+def gathered_numels(trace: StepTrace, input_grads: bool = False) -> dict:
     """`zero_numels`, with 0 for the parameters released after their forward and never gathered
     again in the step (`forward_only_params`): none of them is alive at a backward peak."""
-    return {**zero_numels(trace), **{i: 0 for i in forward_only_params(trace)}}
+    return {**zero_numels(trace), **{i: 0 for i in forward_only_params(trace, input_grads)}}
 
 
 def fetch_event(trace: StepTrace, role: int) -> int:
@@ -287,7 +291,7 @@ def gathered_param_terms(layout: Layout, trace: StepTrace, z: ZeroSetup) -> None
     released = module_backward_events(t, ready)
     fallback = layout.reduce_ev(0)
     packed = zero_numels(t)
-    forward_only = forward_only_params(t)
+    forward_only = forward_only_params(t, z.input_grads)
     flat, whole = first_prefetch_batch(t, z)
     start = t.phases["forward"][0]
     stream = AG_STREAM if z.overlap_comm else 0
