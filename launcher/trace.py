@@ -121,6 +121,8 @@ class TraceKey:
     fused_dropout: bool = False
     # the autocast region runs CUDA's autocast op policy, not the CPU's (`_cuda_autocast`)
     cuda_autocast: bool = False
+    # SDPA with grouped-query attention on fp32 inputs runs CUDA's math kernel (`_cuda_sdpa_math`)
+    cuda_sdpa_math: bool = False
 
     def __post_init__(self):
         _check(self.param_dtype, PARAM_DTYPES, "param_dtype")
@@ -163,6 +165,13 @@ def canonical_config_json(config) -> str:
     return json.dumps(d, sort_keys=True, separators=(",", ":"), default=str)
 
 
+def grouped_query(hf_config_json: str) -> bool:
+    """Whether the model's attention groups query heads over fewer key/value heads."""
+    config = json.loads(hf_config_json)
+    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    return isinstance(heads, int) and isinstance(kv, int) and 0 < kv < heads
+
+
 def drops_out(hf_config_json: str, lora_dropout: float = 0.0) -> bool:
     """Whether a step drops anything out: a dropout probability strictly between 0 and 1 in the
     model's config (`*dropout*`, `*pdrop*` keys) or peft's lora_dropout. A GPU plan traces with
@@ -184,6 +193,10 @@ def trace_notes(key: TraceKey) -> tuple[str, ...]:
                      "(aten Dropout.cpp is_fused_kernel_acceptable, native_dropout), not the CPU "
                      "kernel's noise tensor in the input's dtype; SDPA's attention dropout as the "
                      "fused attention kernels take it, keeping no mask or probabilities")
+    if key.cuda_sdpa_math:
+        notes.append("grouped-query SDPA on fp32 inputs traced as CUDA runs it: the math kernel, which "
+                     "repeats the key/value heads and keeps the seq x seq probabilities (FlashAttention, "
+                     "the only fused kernel with GQA, takes no fp32); the CPU's flash kernel keeps neither")
     if key.cuda_autocast:
         notes.append("autocast traced with CUDA's op policy (aten/src/ATen/autocast_mode.h): pow, exp, "
                      "rsqrt, layer_norm, losses... in fp32, softmax, log_softmax and sum with an fp32 "
@@ -707,6 +720,37 @@ def _transformers4_cache():
 
 
 @contextlib.contextmanager
+def _cuda_sdpa_math():
+    """`F.scaled_dot_product_attention` with `enable_gqa=True` on fp32 inputs as CUDA runs it: of
+    the CUDA kernels only FlashAttention and the math kernel take grouped-query attention (the
+    function's own documentation, torch 2.13), and FlashAttention takes only fp16/bf16, so fp32
+    queries run `_scaled_dot_product_attention_math`, which repeats the key/value heads
+    (`repeat_interleave`) and keeps the seq x seq probabilities for backward. transformers asks
+    for it whenever no mask is passed (integrations/sdpa_attention.py `use_gqa_in_sdpa`), so a
+    pure fp32 run of a grouped-query model (Llama 3, Mistral, Qwen2) takes that path on a GPU,
+    while the CPU's flash kernel takes GQA in fp32 and keeps neither. Under autocast SDPA's inputs
+    are cast to the autocast dtype first, and FlashAttention runs."""
+    import torch
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                  enable_gqa=False, **kwargs):
+        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
+        if not (enable_gqa and dtype == torch.float32) or kwargs:
+            return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=enable_gqa, **kwargs)
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=True)[0]
+
+    torch.nn.functional.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+
+
+@contextlib.contextmanager
 def _fused_dropout():
     """`torch.nn.functional.dropout` as ATen runs it on a CUDA tensor: `at::dropout` takes the fused
     kernel when `is_fused_kernel_acceptable` (aten/src/ATen/native/Dropout.cpp: a CUDA input, 0 <
@@ -1088,7 +1132,8 @@ def trace_step(key: TraceKey) -> StepTrace:
     cache = _transformers4_cache() if key.use_cache else contextlib.nullcontext()
     dropout = _fused_dropout() if key.fused_dropout else contextlib.nullcontext()
     autocast = _cuda_autocast() if key.cuda_autocast else contextlib.nullcontext()
-    with _unpacked_sequences(), linear, sdpa, cache, dropout, autocast, _quiet_fake_kernels(), \
+    sdpa_math = _cuda_sdpa_math() if key.cuda_sdpa_math else contextlib.nullcontext()
+    with _unpacked_sequences(), linear, sdpa, cache, dropout, autocast, sdpa_math, _quiet_fake_kernels(), \
             FakeTensorMode(allow_non_fake_inputs=True), _dispatch_mode(rec):
         model, opt = _run_step(key, rec, marks, grads)
         n, num_events = len(rec.nbytes), marks["end"]  # later frees and rows are not the step's
@@ -1231,7 +1276,8 @@ def _cache_key(key: TraceKey) -> str:
     fields = dataclasses.asdict(key)
     for name in ("kbit_upcast", "gptq_group_size", "lora_dora", "lora_modules_to_save", "lora_train_base",
                  "zero3_linear", "transformers4", "flat_param_grads", "keep_outputs",
-                 "use_cache", "rotary_cache", "bnb_keeps_input", "fused_dropout", "cuda_autocast"):
+                 "use_cache", "rotary_cache", "bnb_keeps_input", "fused_dropout", "cuda_autocast",
+                 "cuda_sdpa_math"):
         # unset: the key hashes as before the field existed
         if not fields.get(name):
             fields.pop(name, None)

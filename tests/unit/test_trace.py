@@ -188,6 +188,25 @@ def test_cuda_autocast_changes_gpt2_not_llama():
     assert peaks["llama"][1] == peaks["llama"][0], peaks
 
 
+def test_cuda_grouped_query_sdpa_in_fp32_runs_the_math_kernel():
+    """A grouped-query model in fp32 under SDPA: transformers passes enable_gqa=True, which on CUDA
+    only FlashAttention (fp16/bf16 only) and the math kernel take, so the GPU keeps each layer's
+    seq x seq probabilities (at least one fp32 tensor of batch x heads x seq^2 per layer) where the
+    CPU's flash kernel keeps none; the traced step matches the same step run on real tensors. In
+    bf16 the context changes nothing (FlashAttention runs)."""
+    b, s = 2, 128
+    cfg = llama()
+    assert cfg.num_key_value_heads < cfg.num_attention_heads
+    base = key(cfg, micro_batch_size=b, seq_len=s, attn_implementation="sdpa", optimizer="none")
+    cpu, gpu = (tr.trace_step(dataclasses.replace(base, cuda_sdpa_math=m)).live_curve().max() for m in (False, True))
+    assert gpu - cpu >= base.num_layers * b * cfg.num_attention_heads * s * s * 4, (cpu, gpu)
+    with tr._cuda_sdpa_math():
+        real, _ = real_step(dataclasses.replace(base, cuda_sdpa_math=True))
+    assert abs(gpu - real) <= 0.01 * real, (gpu, real)
+    bf16 = dataclasses.replace(base, param_dtype="bfloat16")
+    assert len({tr.trace_step(dataclasses.replace(bf16, cuda_sdpa_math=m)).live_curve().max() for m in (False, True)}) == 1
+
+
 @pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
 def test_transformers_4_44_loss_peak_equals_memtracker(precision):
     """training.causal_lm_loss=fp32_shift_copy: the fp32 logits the model returns and their shifted
