@@ -223,11 +223,10 @@ def trace_key(spec: ModelSpec, strategy: Strategy, wl: Workload, lora=None):
     request = memory_model.trace_request(strategy, wl)
     request.update(trace_fields(lora, backend_of(strategy).adapter_autocast_of(wl.precision), request))
     config_json = trace.canonical_config_json(spec.hf_config)
-    fused_dropout = wl.cuda and trace.drops_out(config_json, request.get("lora_dropout", 0.0))
-    cuda_autocast = wl.cuda and request.get("autocast_dtype") is not None
     attn = backend_of(strategy).attention_of(strategy, spec.model_type, wl.attn_implementation)
-    cuda_sdpa_math = (wl.cuda and attn == "sdpa" and trace.grouped_query(config_json)
-                      and request.get("param_dtype", "float32") == "float32" and request.get("autocast_dtype") is None)
+    if wl.cuda:
+        request.update(trace.cuda_fields(config_json, attn, request.get("param_dtype", "float32"),
+                                         request.get("autocast_dtype"), request.get("lora_dropout", 0.0)))
     return trace.TraceKey(hf_config_json=config_json,
                           num_layers=spec.num_layers, micro_batch_size=wl.micro_batch_size,
                           seq_len=wl.seq_len,
@@ -236,8 +235,7 @@ def trace_key(spec: ModelSpec, strategy: Strategy, wl: Workload, lora=None):
                           checkpoint_policy=wl.checkpoint_policy if wl.gradient_checkpointing else "full",
                           kernels=wl.kernels, loss=wl.causal_lm_loss,
                           optimizer_in_backward=wl.optimizer_in_backward, keep_outputs=wl.keep_outputs,
-                          use_cache=wl.use_cache, rotary_cache=wl.rotary_cache, fused_dropout=fused_dropout,
-                          cuda_autocast=cuda_autocast, cuda_sdpa_math=cuda_sdpa_math, **request)
+                          use_cache=wl.use_cache, rotary_cache=wl.rotary_cache, **request)
 
 
 def model_numbers(traces) -> dict:

@@ -116,12 +116,12 @@ class TraceKey:
     rotary_cache: bool = False
     # QLoRA: each 4-bit matmul keeps its input, as bitsandbytes before 0.43.2 (peft.bnb_keeps_input)
     bnb_keeps_input: bool = False
-    # dropout as CUDA runs it: the fused kernel's output and 1-byte mask (`_fused_dropout`); false:
-    # the CPU kernel's noise tensor in the input's dtype
+    # dropout as CUDA runs it: the fused kernel's output and 1-byte mask (`_fused_dropout`), SDPA's
+    # dropout inside the fused attention kernels (`_cuda_sdpa`); false: the CPU's kernels
     fused_dropout: bool = False
     # the autocast region runs CUDA's autocast op policy, not the CPU's (`_cuda_autocast`)
     cuda_autocast: bool = False
-    # SDPA with grouped-query attention on fp32 inputs runs CUDA's math kernel (`_cuda_sdpa_math`)
+    # SDPA with grouped-query attention on fp32 inputs runs CUDA's math kernel (`_cuda_sdpa`)
     cuda_sdpa_math: bool = False
 
     def __post_init__(self):
@@ -163,6 +163,17 @@ def canonical_config_json(config) -> str:
     """config.json values (a dict or a transformers PretrainedConfig) as sorted, compact JSON."""
     d = config if isinstance(config, dict) else config.to_dict()
     return json.dumps(d, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def cuda_fields(hf_config_json: str, attn_implementation: str, param_dtype: str,
+                autocast_dtype: Optional[str], lora_dropout: float = 0.0) -> dict:
+    """The TraceKey fields of a GPU plan: where CUDA's kernels or autocast allocate differently from
+    the CPU's, the step is traced as CUDA runs it. Each is set only where it changes the step, so
+    other steps keep one trace for both devices."""
+    return {"fused_dropout": drops_out(hf_config_json, lora_dropout),
+            "cuda_autocast": autocast_dtype is not None,
+            "cuda_sdpa_math": (attn_implementation == "sdpa" and grouped_query(hf_config_json)
+                               and param_dtype == "float32" and autocast_dtype is None)}
 
 
 def grouped_query(hf_config_json: str) -> bool:
@@ -720,37 +731,6 @@ def _transformers4_cache():
 
 
 @contextlib.contextmanager
-def _cuda_sdpa_math():
-    """`F.scaled_dot_product_attention` with `enable_gqa=True` on fp32 inputs as CUDA runs it: of
-    the CUDA kernels only FlashAttention and the math kernel take grouped-query attention (the
-    function's own documentation, torch 2.13), and FlashAttention takes only fp16/bf16, so fp32
-    queries run `_scaled_dot_product_attention_math`, which repeats the key/value heads
-    (`repeat_interleave`) and keeps the seq x seq probabilities for backward. transformers asks
-    for it whenever no mask is passed (integrations/sdpa_attention.py `use_gqa_in_sdpa`), so a
-    pure fp32 run of a grouped-query model (Llama 3, Mistral, Qwen2) takes that path on a GPU,
-    while the CPU's flash kernel takes GQA in fp32 and keeps neither. Under autocast SDPA's inputs
-    are cast to the autocast dtype first, and FlashAttention runs."""
-    import torch
-
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                  enable_gqa=False, **kwargs):
-        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
-        if not (enable_gqa and dtype == torch.float32) or kwargs:
-            return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                        scale=scale, enable_gqa=enable_gqa, **kwargs)
-        return torch.ops.aten._scaled_dot_product_attention_math(
-            query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=True)[0]
-
-    torch.nn.functional.scaled_dot_product_attention = attention
-    try:
-        yield
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = sdpa
-
-
-@contextlib.contextmanager
 def _fused_dropout():
     """`torch.nn.functional.dropout` as ATen runs it on a CUDA tensor: `at::dropout` takes the fused
     kernel when `is_fused_kernel_acceptable` (aten/src/ATen/native/Dropout.cpp: a CUDA input, 0 <
@@ -761,18 +741,10 @@ def _fused_dropout():
     step traced on the CPU device as it runs there holds 2-4 bytes per element where the GPU holds
     one. Every `nn.Dropout` and `F.dropout` call (the models' hidden and attention dropout, peft's
     lora_dropout) goes through this function. Outside 0 < p < 1, in eval mode or on a
-    non-floating input, the original function runs.
-
-    Attention dropout inside `F.scaled_dot_product_attention` (`dropout_p`: GPT-2's and BioGPT's
-    attention under sdpa): CUDA's fused kernels take it (FlashAttention and the memory-efficient
-    kernel draw the mask from a Philox seed and offset they return, and draw it again in backward),
-    so they keep no mask and no probabilities, while the CPU has no fused kernel with dropout and
-    falls back to the math path, which keeps the seq x seq probabilities, the dropout noise and
-    the dropped probabilities. So the attention is traced with `dropout_p=0`: the fused kernel's
-    storages less its two scalar Philox tensors."""
+    non-floating input, the original function runs. SDPA's own dropout: `_cuda_sdpa`."""
     import torch
 
-    original, sdpa = torch.nn.functional.dropout, torch.nn.functional.scaled_dot_product_attention
+    original = torch.nn.functional.dropout
 
     def dropout(input, p=0.5, training=True, inplace=False):
         if not (training and 0 < p < 1 and input.is_floating_point() and input.numel()):
@@ -780,18 +752,51 @@ def _fused_dropout():
         out = torch.native_dropout(input, p, True)[0]
         return input.copy_(out) if inplace else out
 
-    def attention(*args, **kwargs):
-        if len(args) > 4:  # (query, key, value, attn_mask, dropout_p, ...)
-            args = args[:4] + (0.0,) + args[5:]
-        if "dropout_p" in kwargs:
-            kwargs["dropout_p"] = 0.0
-        return sdpa(*args, **kwargs)
-
-    torch.nn.functional.dropout, torch.nn.functional.scaled_dot_product_attention = dropout, attention
+    torch.nn.functional.dropout = dropout
     try:
         yield
     finally:
-        torch.nn.functional.dropout, torch.nn.functional.scaled_dot_product_attention = original, sdpa
+        torch.nn.functional.dropout = original
+
+
+@contextlib.contextmanager
+def _cuda_sdpa(fused_dropout: bool, gqa_math: bool):
+    """`F.scaled_dot_product_attention` with the kernel CUDA picks where its memory differs from the
+    CPU's kernel:
+
+    - `gqa_math`: grouped-query attention (`enable_gqa=True`) on fp32 inputs. Of the CUDA kernels
+      only FlashAttention and the math kernel take GQA (the function's own documentation, torch
+      2.13), and FlashAttention takes only fp16/bf16, so fp32 queries run
+      `_scaled_dot_product_attention_math`, which repeats the key/value heads and keeps the seq x
+      seq probabilities for backward. transformers asks for GQA whenever no mask is passed
+      (integrations/sdpa_attention.py `use_gqa_in_sdpa`), so a pure fp32 run of Llama 3, Mistral or
+      Qwen2 takes that path on a GPU, while the CPU's flash kernel takes GQA in fp32 and keeps
+      neither. Under autocast SDPA's inputs are cast to the autocast dtype, and FlashAttention runs.
+    - `fused_dropout`: attention dropout (`dropout_p > 0`: GPT-2's and BioGPT's attention under
+      sdpa). CUDA's fused kernels take it (FlashAttention and the memory-efficient kernel draw the
+      mask from a Philox seed and offset they return, and draw it again in backward), so they keep
+      no mask and no probabilities, while the CPU has no fused kernel with dropout and falls back
+      to the math path, which keeps the seq x seq probabilities, the dropout noise and the dropped
+      probabilities. So the attention is traced with `dropout_p=0`: the fused kernel's storages
+      less its two scalar Philox tensors."""
+    import torch
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                  enable_gqa=False, **kwargs):
+        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
+        if gqa_math and enable_gqa and dtype == torch.float32 and not kwargs:
+            return torch.ops.aten._scaled_dot_product_attention_math(
+                query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=True)[0]
+        return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=0.0 if fused_dropout else dropout_p,
+                    is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, **kwargs)
+
+    torch.nn.functional.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
 
 
 # CUDA autocast's op lists (aten/src/ATen/autocast_mode.h, torch 2.4 on: AT_FORALL_FP32,
@@ -1132,8 +1137,9 @@ def trace_step(key: TraceKey) -> StepTrace:
     cache = _transformers4_cache() if key.use_cache else contextlib.nullcontext()
     dropout = _fused_dropout() if key.fused_dropout else contextlib.nullcontext()
     autocast = _cuda_autocast() if key.cuda_autocast else contextlib.nullcontext()
-    sdpa_math = _cuda_sdpa_math() if key.cuda_sdpa_math else contextlib.nullcontext()
-    with _unpacked_sequences(), linear, sdpa, cache, dropout, autocast, sdpa_math, _quiet_fake_kernels(), \
+    cuda_sdpa = (_cuda_sdpa(key.fused_dropout, key.cuda_sdpa_math) if key.fused_dropout or key.cuda_sdpa_math
+                 else contextlib.nullcontext())
+    with _unpacked_sequences(), linear, sdpa, cache, dropout, autocast, cuda_sdpa, _quiet_fake_kernels(), \
             FakeTensorMode(allow_non_fake_inputs=True), _dispatch_mode(rec):
         model, opt = _run_step(key, rec, marks, grads)
         n, num_events = len(rec.nbytes), marks["end"]  # later frees and rows are not the step's

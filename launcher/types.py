@@ -28,7 +28,7 @@ class Workload:
     keep_outputs: bool = False  # the loop keeps each step's outputs until the next forward returns (training.keep_outputs)
     use_cache: bool = False  # the forward builds transformers 4's cache of keys and values (training.use_cache)
     rotary_cache: bool = False  # per-layer cos/sin tables over every position (training.rotary_cache)
-    cuda: bool = False  # a GPU plan: CUDA's dropout and autocast policy traced (launcher/trace.py `_fused_dropout`, `_cuda_autocast`)
+    cuda: bool = False  # a GPU plan: CUDA's kernels and autocast policy traced where they differ (launcher/trace.py `cuda_fields`)
 
     @property
     def state_optimizer(self) -> str:

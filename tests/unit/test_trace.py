@@ -200,7 +200,7 @@ def test_cuda_grouped_query_sdpa_in_fp32_runs_the_math_kernel():
     base = key(cfg, micro_batch_size=b, seq_len=s, attn_implementation="sdpa", optimizer="none")
     cpu, gpu = (tr.trace_step(dataclasses.replace(base, cuda_sdpa_math=m)).live_curve().max() for m in (False, True))
     assert gpu - cpu >= base.num_layers * b * cfg.num_attention_heads * s * s * 4, (cpu, gpu)
-    with tr._cuda_sdpa_math():
+    with tr._cuda_sdpa(fused_dropout=False, gqa_math=True):
         real, _ = real_step(dataclasses.replace(base, cuda_sdpa_math=True))
     assert abs(gpu - real) <= 0.01 * real, (gpu, real)
     bf16 = dataclasses.replace(base, param_dtype="bfloat16")

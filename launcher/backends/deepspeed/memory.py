@@ -5,7 +5,8 @@ from __future__ import annotations
 from launcher.backends.base import LayoutSet
 from launcher.backends.deepspeed.emit import unsupported_reason
 from launcher.backends.deepspeed.layout import ZeroSetup, gradient_partitions, norm_pieces, zero0_layout, zero12_layout
-from launcher.backends.deepspeed.zero3 import full_depth_numels, gathered_numels, gathered_param_bytes, zero3_layout
+from launcher.backends.deepspeed.zero3 import (all_kept_gathered, full_depth_numels, gathered_numels,
+                                               gathered_param_bytes, zero3_layout)
 from launcher.errors import ConfigError
 from launcher.memory.common import DTYPE_BYTES
 from launcher.precision import FRAMEWORK
@@ -40,16 +41,11 @@ def memory(traces: TraceSet, strategy: Strategy, workload: Workload, knobs, dp: 
     layouts = tuple(build(t, z) for t in (traces.depth1, traces.depth2))
     gathered = None
     if z.stage == 3:  # all kept: on the per-depth curve (zero3.py gathered_param_terms)
-        def gathered_at_peaks(input_grads):
-            sizes = full_depth_numels(traces.depth1, traces.num_layers, frozen_too=True,
-                                      numel=gathered_numels(traces.depth1, input_grads))
-            return gathered_param_bytes(sizes, z)
-        gathered = gathered_at_peaks(z.input_grads)
-        if not gathered[1] and z.input_grads:
-            # some are released, so the embedding is (it is reused furthest away): gathered at the
-            # start of forward and the end of backward, away from the peaks
-            gathered = gathered_at_peaks(False)
-        gathered = (0, True) if gathered[1] else gathered
+        # when some are released, so is an embedding with `input_grads` (it is reused furthest
+        # away): gathered at the start of forward and the end of backward, away from the peaks
+        gathered = (0, True) if all_kept_gathered(traces.depth1, z) else gathered_param_bytes(
+            full_depth_numels(traces.depth1, traces.num_layers, frozen_too=True,
+                              numel=gathered_numels(traces.depth1)), z)
     return LayoutSet(groups=(((), layouts),), traces=traces, notes=deepspeed_notes(z, gathered), gathered=gathered)
 
 

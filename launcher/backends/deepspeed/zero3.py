@@ -54,13 +54,14 @@ def forward_only_params(trace: StepTrace, input_grads: bool = False) -> set:
     their outputs need no gradient and their modules run no backward (DeepSpeed hooks a module's
     backward through its outputs, parameter_offload.py `_post_forward_module_hook` /
     `_run_before_backward_function`). An embedding tied to the LM head is used again there, and is
-    not one of them. None with `input_grads` (gradient checkpointing: transformers makes the
-    embedding's output require grad, `enable_input_require_grads`): DeepSpeed then hooks the
-    embedding's backward, and its ids need no gradient, so no post-backward hook releases it; it
-    stays gathered until backward ends (a real 2-rank ZeRO-3 LoRA run of small-llama with
-    checkpointing held its 16 MB bf16 embedding at the backward peak: -10.4% without this). A probe of DeepSpeed 0.19.8 (a peft LoRA tiny Llama, 1 gloo rank, fp32 and
+    not one of them. A probe of DeepSpeed 0.19.8 (a peft LoRA tiny Llama, 1 gloo rank, fp32 and
     bf16, steps 1-3 with a complete module trace) logged `__release_param` during forward: the
     embedding is released after its forward in every step.
+    None with `input_grads` (gradient checkpointing: transformers makes the embedding's output
+    require grad, `enable_input_require_grads`): DeepSpeed then hooks the embedding's backward, and
+    its ids need no gradient, so no post-backward hook releases it; it stays gathered until
+    backward ends (a real 2-rank ZeRO-3 LoRA run of small-llama with checkpointing held its 16 MB
+    bf16 embedding at the backward peak: -10.4% without this).
     Not modelled: the same probe saw layer 0's q_proj base, k_proj and v_proj base (a q, v LoRA)
     released after their forward too, since their inputs need no gradient either: 0.8-0.9% of
     the tiny-llama runs' peak; 100 MB (bf16) on Llama-2-7B.
