@@ -99,7 +99,14 @@ def offload_time_s(strategy: Strategy, cluster: Cluster, num_params: int, num_tr
 def flop_time_s(flops: Mapping[str, float], phase: str, cluster: Cluster, dtype: str) -> float:
     """Seconds of one micro-batch's `phase` FLOPs (assumption 1): matmul FLOPs at peak x
     matmul_efficiency, the part in fused attention kernels (`flops['attention_<phase>']`) at the
-    profile's measured `attention_tflops[dtype]` when it has one."""
+    profile's measured `attention_tflops[dtype]` when it has one.
+
+    Attention FLOPs are counted over the whole L x S score matrix, as torch.utils.flop_counter
+    counts them, although a causal fused kernel computes only the pairs its mask keeps (about
+    half; FlashAttention-2, arXiv:2307.08691 sec. 3.1.1). Both rates are in that convention: the
+    MFU figures behind `matmul_efficiency` count attention in full (PaLM, arXiv:2204.02311 app. B:
+    6N + 12LHQT per token; Megatron-LM, arXiv:2104.04473: 96BslH^2(1 + s/6H + V/16lH)), and
+    mode=calibrate times a causal kernel against the full count."""
     peak = cluster.peak_tflops[dtype] * 1e12 * cluster.matmul_efficiency
     attention = flops.get(f"attention_{phase}", 0.0)
     attention_rate = cluster.attention_tflops.get(dtype, 0.0) * 1e12 or peak
