@@ -48,11 +48,21 @@ COLOSSALAI_ON_CPU = {"cai_ddp", "cai_zero1", "cai_zero2", "cai_tp"}  # cai_tp in
 
 
 def cell(model, size, strategy, precision, ckpt=False, attn="sdpa", buckets="small", peft="none") -> dict:
+    """`ckpt`: False, True (torch's non-reentrant checkpoint, the launcher's default) or
+    "reentrant" (training.checkpoint_policy=reentrant)."""
     _, seq, micro = SIZES[size]
     attn = "eager" if model in NO_SDPA else attn
-    return {"model": model, "size": size, "strategy": strategy, "precision": precision,
-            "gradient_checkpointing": ckpt, "attn": attn, "buckets": buckets, "seq_len": seq,
-            "micro_batch_size": micro, "peft": peft}
+    c = {"model": model, "size": size, "strategy": strategy, "precision": precision,
+         "gradient_checkpointing": bool(ckpt), "attn": attn, "buckets": buckets, "seq_len": seq,
+         "micro_batch_size": micro, "peft": peft}
+    return {**c, "checkpoint_policy": "reentrant"} if ckpt == "reentrant" else c
+
+
+def ckpt_label(c: dict) -> str:
+    """The ckpt column: off, on (non-reentrant) or reentrant."""
+    if not c["gradient_checkpointing"]:
+        return "off"
+    return "reentrant" if c.get("checkpoint_policy") == "reentrant" else "on"
 
 
 def supported(c: dict) -> bool:
@@ -63,14 +73,19 @@ def supported(c: dict) -> bool:
 def full_cells(strategies: list[str]) -> list[dict]:
     """Every strategy x precision on one model per size and family (tiny-llama, small-bloom);
     every strategy at 32-true and bf16-mixed on the other two; gradient checkpointing (both tiny
-    models) and eager attention (tiny-llama) on DDP, ZeRO-2 and ZeRO-3 at fp32; one
-    default-bucket row. Ordered so that an interrupted run covers every axis early with whole
+    models; tiny-llama also with the reentrant checkpoint) and eager attention (tiny-llama) on
+    DDP, ZeRO-2 and ZeRO-3 at fp32; LoRA on DDP and ZeRO-2, and with checkpointing on DDP
+    (reentrant) and ZeRO-3 (both checkpoints); one default-bucket row. Ordered so that an interrupted run covers every axis early with whole
     strategy groups (the script resumes where it stopped)."""
     variants = [s for s in ("ddp", "zero2", "zero3") if s in strategies]
     first = [cell("tiny-llama", "tiny", s, p) for p in PRECISIONS for s in strategies]
     first += [cell("tiny-llama", "tiny", s, "32-true", ckpt=True) for s in variants]
     first += [cell(m, "tiny", s, "32-true", peft="lora") for m in ("tiny-llama",) for s in ("ddp", "zero2")]
     first += [cell("small-llama", "small", "ddp", "32-true", peft="lora")]
+    first += [cell("tiny-llama", "tiny", s, "32-true", ckpt="reentrant") for s in variants]
+    first += [cell("tiny-llama", "tiny", "ddp", "32-true", ckpt="reentrant", peft="lora")]
+    first += [cell("small-llama", "small", "zero3", "32-true", ckpt=k, peft="lora")
+              for k in (True, "reentrant") if "zero3" in strategies]
     first += [cell("tiny-llama", "tiny", s, "32-true") for s in sorted(COLOSSALAI_ON_CPU)]
     first += [cell("tiny-llama", "tiny", "cai_tp", "bf16-mixed"), cell("small-llama", "small", "cai_tp", "32-true")]
     first += [cell("tiny-bloom", "tiny", "cai_tp", "32-true")]
@@ -98,7 +113,8 @@ def quick_cells(strategies: list[str]) -> list[dict]:
 
 def cell_id(c: dict) -> str:
     peft = [] if c.get("peft", "none") == "none" else [c["peft"]]
-    return "_".join([c["model"], c["strategy"], c["precision"], "ckpt" if c["gradient_checkpointing"] else "nockpt",
+    ckpt = {"off": "nockpt", "on": "ckpt", "reentrant": "reentrant"}[ckpt_label(c)]
+    return "_".join([c["model"], c["strategy"], c["precision"], ckpt,
                      c["attn"], f"{c['buckets']}buckets", *peft])
 
 
@@ -108,6 +124,7 @@ def overrides(c: dict, hardware: str) -> list[str]:
            f"training.precision={c['precision']}", f"training.attn_implementation={c['attn']}",
            f"training.gradient_checkpointing={str(c['gradient_checkpointing']).lower()}"]
     out += [f"peft={c.get('peft', 'none')}"]
+    out += ["training.checkpoint_policy=reentrant"] if c.get("checkpoint_policy") == "reentrant" else []
     return out + (SMALL_BUCKETS if c["buckets"] == "small" else [])
 
 
@@ -194,7 +211,7 @@ def measured_step(r: dict) -> float:
 
 
 def group_key(r: dict) -> tuple:
-    return (r["model"], r["precision"], r["gradient_checkpointing"], r["attn"], r["buckets"], r.get("peft", "none"))
+    return (r["model"], r["precision"], ckpt_label(r), r["attn"], r["buckets"], r.get("peft", "none"))
 
 
 def spread(r: dict) -> float:
@@ -271,6 +288,7 @@ def rows_of(results: list[dict]) -> list[dict]:
     for r in results:
         base = {k: r[k] for k in ("model", "size", "strategy", "precision", "gradient_checkpointing", "attn",
                                   "buckets", "seq_len", "micro_batch_size")}
+        base["checkpoint_policy"] = r.get("checkpoint_policy", "full")
         if r.get("peft", "none") != "none":  # adapters on a frozen base: shown with the strategy
             base["strategy"] = f"{r['strategy']}+{r['peft']}"
         if "error" in r:
@@ -296,7 +314,8 @@ def rows_of(results: list[dict]) -> list[dict]:
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
-    fields = ["model", "size", "strategy", "precision", "gradient_checkpointing", "attn", "buckets", "seq_len",
+    fields = ["model", "size", "strategy", "precision", "gradient_checkpointing", "checkpoint_policy", "attn",
+              "buckets", "seq_len",
               "micro_batch_size", "estimated_mib", "measured_mib_rank0", "measured_mib_rank1",
               "memory_error_percent_rank0", "memory_error_percent_rank1", "estimated_step_s", "measured_step_s",
               "step_error_percent", "retimed_step_s", "retimed_error_percent", "note"]
@@ -332,7 +351,7 @@ def markdown(rows: list[dict], rank: dict, meta: dict) -> str:
         errs = ", ".join(f"{v:+.3f}" for v in r.get("memory_error_percent", [])) or "-"
         per_rank = r.get("estimated_mib_per_rank", [])  # ranks estimated apart (ZeRO 1-2) when they differ
         est = ", ".join(f"{v:.3f}" for v in per_rank) if len(set(per_rank)) > 1 else fmt(r.get("estimated_mib"), ".3f")
-        lines.append(f"| {r['model']} | {r['strategy']} | {r['precision']} | {'on' if r['gradient_checkpointing'] else 'off'} "
+        lines.append(f"| {r['model']} | {r['strategy']} | {r['precision']} | {ckpt_label(r)} "
                      f"| {r['attn']} | {r['buckets']} | {est} | {meas} | {errs} "
                      f"| {fmt(r.get('estimated_step_s'), '.4f')} | {fmt(r.get('measured_step_s'), '.4f')} "
                      f"| {fmt(r.get('step_error_percent'), '+.0f')} | {fmt(r.get('retimed_step_s'), '.4f')} "
