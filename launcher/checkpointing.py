@@ -31,6 +31,18 @@ from __future__ import annotations
 
 POLICIES = ("full", "reentrant", "selective_op")
 
+DESCRIPTION = {
+    "full": "gradient checkpointing: each decoder layer keeps only its inputs and its forward is "
+            "recomputed in backward (torch.utils.checkpoint, non-reentrant; training.checkpoint_policy=full)",
+    "reentrant": "gradient checkpointing with torch's reentrant checkpoint (use_reentrant=True, "
+                 "transformers 4's default; training.checkpoint_policy=reentrant): as the non-reentrant one, "
+                 "and each layer's backward also holds the gradient of its output until the nested backward returns",
+    "selective_op": "per-op selective checkpointing as torchtitan runs it (training.checkpoint_policy="
+                    "selective_op): each decoder layer saves its attention outputs and every other matrix "
+                    "multiply and recomputes the rest in backward",
+}
+"""What the plan assumes of each policy, in its notes (launcher/trace.py `trace_notes`)."""
+
 
 def _save_list():
     """torchtitan's `_save_list` (parallelize_llama.py @9dec370) plus the CPU flash-attention op."""

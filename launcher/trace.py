@@ -212,6 +212,8 @@ def trace_notes(key: TraceKey) -> tuple[str, ...]:
         notes.append("autocast traced with CUDA's op policy (aten/src/ATen/autocast_mode.h): pow, exp, "
                      "rsqrt, layer_norm, losses... in fp32, softmax, log_softmax and sum with an fp32 "
                      "result, einsum and matrix-vector products in the autocast dtype")
+    if key.gradient_checkpointing:
+        notes.append(checkpointing.DESCRIPTION[key.checkpoint_policy])
     if key.optimizer.startswith("adamw") and key.optimizer != "adamw_fused":
         notes.append("AdamW 'step' tensors (4 B per parameter) are traced on the device; on "
                      "GPU the non-fused AdamW keeps them on the host")

@@ -447,3 +447,15 @@ def test_mixture_of_experts_flops_count_each_token_through_its_experts():
     t = tr.trace_step(key(cfg, layers, b, s, param_dtype="bfloat16"))
     assert t.flops["forward"] == 2 * b * s * n_linear + attention + experts
     assert t.flops["backward"] == pytest.approx(2 * (t.flops["forward"] - attention) + 2.5 * attention)
+
+
+def test_plan_notes_name_the_checkpoint_policy():
+    """A checkpointed plan says which checkpoint it assumes, since the reentrant one holds one
+    hidden state more in backward than the non-reentrant one; a plan without checkpointing says
+    nothing of it."""
+    k = key(llama(), gradient_checkpointing=True)
+    notes = {p: " ".join(tr.trace_notes(dataclasses.replace(k, checkpoint_policy=p)))
+             for p in ("full", "reentrant", "selective_op")}
+    assert "use_reentrant=True" in notes["reentrant"] and "use_reentrant" not in notes["full"]
+    assert "selective" in notes["selective_op"] and "selective" not in notes["full"]
+    assert "checkpoint" not in " ".join(tr.trace_notes(dataclasses.replace(k, gradient_checkpointing=False)))
