@@ -415,6 +415,9 @@ KEPT_SECTIONS = ("## ColossalAI shardformer runs",)
 
 
 def keep_hand_sections(text: str, path: Path) -> str:
+    """The generated `text` with what accuracy.md holds beside the matrix: the KEPT_SECTIONS before
+    "## Speed ranking", and every section after the matrix's own (other scripts' tables, e.g.
+    scripts/validate_gpu's between its markers), unchanged."""
     old = path.read_text() if path.exists() else ""
     kept = []
     for title in KEPT_SECTIONS:
@@ -422,9 +425,11 @@ def keep_hand_sections(text: str, path: Path) -> str:
         if start >= 0:
             end = old.find("\n## ", start + len(title))
             kept.append(old[start:end + 1 if end >= 0 else len(old)])
-    if not kept or "## Speed ranking" not in text:
-        return text
-    return text.replace("## Speed ranking", "".join(kept) + "## Speed ranking", 1)
+    if kept and "## Speed ranking" in text:
+        text = text.replace("## Speed ranking", "".join(kept) + "## Speed ranking", 1)
+    ranking = old.find("## Speed ranking")
+    after = old.find("\n## ", ranking + 1) if ranking >= 0 else -1
+    return text.rstrip("\n") + "\n\n" + old[after + 1:] if after >= 0 else text
 
 
 def main() -> int:
@@ -484,8 +489,8 @@ def main() -> int:
                          "hydra.run.dir=runs/calibrate   # this machine's speed profile (~8 min)",
                          f".venv/bin/python scripts/accuracy_matrix.py{' --quick' if args.quick else ''} "
                          "--hardware runs/calibrate/hardware/cpu-calibrated.yaml --interleave 3",
-                         ".venv/bin/python scripts/accuracy_matrix.py --hardware runs/calibrate/hardware/cpu-calibrated.yaml "
-                         "--reestimate   # estimates with the current code"]}
+                         f".venv/bin/python scripts/accuracy_matrix.py --hardware {args.hardware} "
+                         "--reestimate   # the estimates below: the current code with this profile"]}
     docs = Path(args.docs)
     docs.mkdir(parents=True, exist_ok=True)
     write_csv(rows, docs / "accuracy.csv")
