@@ -52,10 +52,9 @@ def cell(model, size, strategy, precision, ckpt=False, attn="sdpa", buckets="sma
     "reentrant" (training.checkpoint_policy=reentrant)."""
     _, seq, micro = SIZES[size]
     attn = "eager" if model in NO_SDPA else attn
-    c = {"model": model, "size": size, "strategy": strategy, "precision": precision,
-         "gradient_checkpointing": bool(ckpt), "attn": attn, "buckets": buckets, "seq_len": seq,
-         "micro_batch_size": micro, "peft": peft}
-    return {**c, "checkpoint_policy": "reentrant"} if ckpt == "reentrant" else c
+    return {"model": model, "size": size, "strategy": strategy, "precision": precision,
+            "gradient_checkpointing": bool(ckpt), "checkpoint_policy": "reentrant" if ckpt == "reentrant" else "full",
+            "attn": attn, "buckets": buckets, "seq_len": seq, "micro_batch_size": micro, "peft": peft}
 
 
 def ckpt_label(c: dict) -> str:
@@ -75,8 +74,9 @@ def full_cells(strategies: list[str]) -> list[dict]:
     every strategy at 32-true and bf16-mixed on the other two; gradient checkpointing (both tiny
     models; tiny-llama also with the reentrant checkpoint) and eager attention (tiny-llama) on
     DDP, ZeRO-2 and ZeRO-3 at fp32; LoRA on DDP and ZeRO-2, and with checkpointing on DDP
-    (reentrant) and ZeRO-3 (both checkpoints); one default-bucket row. Ordered so that an interrupted run covers every axis early with whole
-    strategy groups (the script resumes where it stopped)."""
+    (reentrant) and ZeRO-3 (both checkpoints); one default-bucket row. Ordered so that an
+    interrupted run covers every axis early with whole strategy groups (the script resumes where
+    it stopped)."""
     variants = [s for s in ("ddp", "zero2", "zero3") if s in strategies]
     first = [cell("tiny-llama", "tiny", s, p) for p in PRECISIONS for s in strategies]
     first += [cell("tiny-llama", "tiny", s, "32-true", ckpt=True) for s in variants]
